@@ -1,0 +1,3 @@
+from perfrun.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,258 @@
+"""The configuration schema: one dataclass per Hydra group, registered in the ConfigStore.
+
+Hydra merges the YAML under ``conf/`` onto these dataclasses, so a wrong type or an
+unknown key fails at composition, before any work. What a type cannot say (a batch
+size below one, a sequence longer than the model) is checked by :func:`validate`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+
+
+class ConfigError(ValueError):
+    """A user's configuration mistake: reported as one line, never as a traceback."""
+
+
+@dataclass
+class PrecisionConfig:
+    """Autocast dtype. ``none`` trains in fp32; ``tf32`` lets fp32 matmuls use TF32 on CUDA."""
+
+    name: str = "none"
+    dtype: str = "float32"  # float32 | bfloat16 | float16
+    tf32: bool = False
+
+
+@dataclass
+class CheckpointingConfig:
+    """Activation checkpointing: recompute a block's activations in backward to save memory."""
+
+    name: str = "none"  # none | full | selective
+    every_k: int = 0  # checkpoint every k-th block; 1 = every block, 0 = none
+
+
+@dataclass
+class DataLoaderConfig:
+    batch_size: int = 8
+    num_workers: int = 0
+    pin_memory: bool = True  # only takes effect on CUDA
+    persistent_workers: bool = False
+    prefetch_factor: int | None = None  # torch's default (2) when workers > 0
+
+
+@dataclass
+class AccumulationConfig:
+    steps: int = 1  # micro-batches per optimizer step
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny"
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    block_size: int = 256
+    dropout: float = 0.0
+    bias: bool = True
+
+
+@dataclass
+class DataConfig:
+    name: str = "pysource"  # pysource | text | memmap | synthetic
+    path: str | None = None  # text and memmap: a file or a folder
+    seq_len: int | None = None  # None: the model's block_size
+    vocab_size: int | None = None  # memmap and synthetic; byte-level data is 256
+    val_fraction: float = 0.1
+    cache_dir: str | None = None  # None: $PERFRUN_CACHE or ~/.cache/perfrun
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # 0 disables clipping
+    fused: str = "auto"  # auto | true | false
+
+
+@dataclass
+class CompileOptions:
+    mode: str = "default"  # default | reduce-overhead | max-autotune
+    fullgraph: bool = False
+    dynamic: bool | None = False
+
+
+@dataclass
+class MonitorConfig:
+    every_n_steps: int = 10  # NVML and host telemetry; 0 turns it off
+    sample_interval_s: float = 0.1  # background sampler period
+    pcie: bool = False  # PCIe throughput: each NVML call blocks ~20 ms
+
+
+@dataclass
+class MfuConfig:
+    peak: str = "datasheet"  # datasheet | measured | a number in TFLOPS
+
+
+@dataclass
+class TrainConfig:
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
+    dataloader: DataLoaderConfig = field(default_factory=DataLoaderConfig)
+    accumulation: AccumulationConfig = field(default_factory=AccumulationConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    compile: bool = False
+    compile_options: CompileOptions = field(default_factory=CompileOptions)
+    cudnn_benchmark: bool = False
+    attention: str = "sdpa"  # sdpa | eager
+    sdpa_backend: str = "auto"  # auto | flash | efficient | cudnn | math
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    seed: int = 1337
+    max_steps: int = 300
+    timing_warmup_steps: int = 5  # steps kept out of the summary's speed figures
+    log_every: int = 10
+    eval_every: int = 100  # 0: only at the end
+    eval_batches: int = 10
+    progress: str = "auto"  # auto | bar | plain | off
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    mfu: MfuConfig = field(default_factory=MfuConfig)
+
+
+def register_configs() -> None:
+    """Register the schema; train.yaml lists it first in its defaults, so every group's
+    YAML is merged onto (and checked against) its typed field of TrainConfig."""
+    ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+
+
+_CHOICES = {
+    "precision.dtype": ("float32", "bfloat16", "float16"),
+    "checkpointing.name": ("none", "full", "selective"),
+    "data.name": ("pysource", "text", "memmap", "synthetic"),
+    "optim.name": ("adamw",),
+    "optim.fused": ("auto", "true", "false"),
+    "compile_options.mode": ("default", "reduce-overhead", "max-autotune"),
+    "attention": ("sdpa", "eager"),
+    "sdpa_backend": ("auto", "flash", "efficient", "cudnn", "math"),
+    "progress": ("auto", "bar", "plain", "off"),
+}
+
+
+def _get(cfg: Any, dotted: str) -> Any:
+    node = cfg
+    for part in dotted.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def validate(cfg: Any) -> None:
+    """Check what the schema's types cannot; raise ConfigError with what, why and the fix."""
+    for key, allowed in _CHOICES.items():
+        value = _get(cfg, key)
+        if str(value) not in allowed:
+            raise ConfigError(
+                f"{key}={value} is not an option; choose one of {', '.join(allowed)}"
+            )
+
+    def at_least(key: str, low: int, why: str = "") -> None:
+        value = _get(cfg, key)
+        if value < low:
+            raise ConfigError(f"{key}={value} must be >= {low}{why}; set {key}={max(low, 1)} or more")
+
+    at_least("dataloader.batch_size", 1)
+    at_least("dataloader.num_workers", 0)
+    at_least("accumulation.steps", 1)
+    at_least("max_steps", 1, " (the number of optimizer steps to train)")
+    at_least("log_every", 1)
+    at_least("eval_every", 0)
+    at_least("eval_batches", 1)
+    at_least("timing_warmup_steps", 0)
+    at_least("model.n_layer", 1)
+    at_least("model.n_head", 1)
+    at_least("model.n_embd", 1)
+    at_least("model.block_size", 1)
+    at_least("monitor.every_n_steps", 0)
+    at_least("optim.warmup_steps", 0)
+    at_least("checkpointing.every_k", 0)
+
+    dl = cfg.dataloader
+    if dl.prefetch_factor is not None:
+        if dl.num_workers == 0:
+            raise ConfigError(
+                f"dataloader.prefetch_factor={dl.prefetch_factor} needs worker processes but "
+                "dataloader.num_workers=0; set dataloader.num_workers>=1 or dataloader.prefetch_factor=null"
+            )
+        if dl.prefetch_factor < 1:
+            raise ConfigError(
+                f"dataloader.prefetch_factor={dl.prefetch_factor} must be >= 1; set it to 2 (torch's default)"
+            )
+    if dl.persistent_workers and dl.num_workers == 0:
+        raise ConfigError(
+            "dataloader.persistent_workers=true needs worker processes but dataloader.num_workers=0; "
+            "set dataloader.num_workers>=1 or dataloader.persistent_workers=false"
+        )
+
+    m = cfg.model
+    if m.n_embd % m.n_head != 0:
+        raise ConfigError(
+            f"model.n_embd={m.n_embd} is not divisible by model.n_head={m.n_head}; "
+            "pick n_embd as a multiple of n_head"
+        )
+    if not 0.0 <= m.dropout < 1.0:
+        raise ConfigError(f"model.dropout={m.dropout} must be in [0, 1); set model.dropout=0.0")
+
+    seq_len = cfg.data.seq_len
+    if seq_len is not None:
+        if seq_len < 1:
+            raise ConfigError(f"data.seq_len={seq_len} must be >= 1; set data.seq_len=null for the model's block_size")
+        if seq_len > m.block_size:
+            raise ConfigError(
+                f"data.seq_len={seq_len} is longer than model.block_size={m.block_size} "
+                f"(model={m.name} has {m.block_size} positions); set data.seq_len<={m.block_size} "
+                f"or model.block_size={seq_len}"
+            )
+    if not 0.0 < cfg.data.val_fraction < 1.0:
+        raise ConfigError(f"data.val_fraction={cfg.data.val_fraction} must be in (0, 1); set it to 0.1")
+    if cfg.data.vocab_size is not None and cfg.data.vocab_size < 2:
+        raise ConfigError(f"data.vocab_size={cfg.data.vocab_size} must be >= 2")
+    if cfg.data.name in ("text", "memmap") and not cfg.data.path:
+        raise ConfigError(
+            f"data={cfg.data.name} needs a file or folder; add data.path=/path/to/your/"
+            + ("text" if cfg.data.name == "text" else "train.bin")
+        )
+
+    o = cfg.optim
+    for key in ("lr", "min_lr_ratio", "weight_decay", "beta1", "beta2", "eps", "grad_clip"):
+        value = getattr(o, key)
+        if not math.isfinite(value) or value < 0:
+            raise ConfigError(f"optim.{key}={value} must be a finite number >= 0; check the value you typed")
+    if o.lr == 0:
+        raise ConfigError("optim.lr=0 trains nothing; set optim.lr to a positive number such as 6e-4")
+    if not (0 <= o.beta1 < 1 and 0 <= o.beta2 < 1):
+        raise ConfigError(f"optim.beta1={o.beta1} and optim.beta2={o.beta2} must be in [0, 1)")
+
+    if cfg.checkpointing.name == "selective" and cfg.checkpointing.every_k < 1:
+        raise ConfigError(
+            "checkpointing=selective needs checkpointing.every_k>=1 (checkpoint every k-th block)"
+        )
+
+    peak = str(cfg.mfu.peak)
+    if peak not in ("datasheet", "measured"):
+        try:
+            ok = float(peak) > 0
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ConfigError(
+                f"mfu.peak={peak} is neither datasheet, measured nor a positive number of TFLOPS"
+            )

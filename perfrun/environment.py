@@ -1,0 +1,87 @@
+"""Facts about this machine and process that every summary carries, and the global torch
+state a job must leave as it found it."""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import sys
+from typing import Any
+
+import torch
+
+import perfrun
+
+
+def rank_info() -> tuple[int, int]:
+    """(rank, world size) as torchrun sets them; a single process is rank 0 of 1."""
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return cpu_name()
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    import hydra
+    import omegaconf
+
+    env: dict[str, Any] = {
+        "perfrun": perfrun.__version__,
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "hydra": hydra.__version__,
+        "omegaconf": omegaconf.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+        "device": str(device),
+        "device_name": device_name(device),
+        "host": socket.gethostname(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+    }
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        env["device_capability"] = f"{props.major}.{props.minor}"
+        env["device_memory_gib"] = round(props.total_memory / 2**30, 2)
+    return env
+
+
+def global_state() -> dict[str, Any]:
+    """The process-wide torch settings that knobs touch; a job must restore every one."""
+    return {
+        "cudnn_benchmark": torch.backends.cudnn.benchmark,
+        "cuda_matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+        "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "grad_enabled": torch.is_grad_enabled(),
+        "autocast_cpu": torch.is_autocast_enabled("cpu"),
+        "autocast_cuda": torch.is_autocast_enabled("cuda"),
+        "default_dtype": str(torch.get_default_dtype()),
+        "compiled_frames": _compiled_frame_count(),
+        "cuda_memory_allocated": torch.cuda.memory_allocated() if torch.cuda.is_available() else 0,
+    }
+
+
+def _compiled_frame_count() -> int | None:
+    """Frames dynamo has compiled since its last reset (0 after torch.compiler.reset()).
+
+    A private counter, read for diagnosis only: None where this torch lacks it.
+    """
+    from torch._dynamo import convert_frame
+
+    return getattr(convert_frame, "FRAME_COUNTER", None)

@@ -1,0 +1,47 @@
+"""Performance knobs. Each is applied once, at setup, and undoes itself on exit.
+
+A knob module exposes ``apply(cfg, device, plan, stack)``: it changes the plan (wraps
+the model, adds a context entered around each forward, enables the gradient scaler) and
+registers on ``stack`` whatever restores global state, so that the next job of a sweep
+in the same process starts as if it were the first. The loop only sees the plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager, ExitStack
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+
+@dataclass
+class Plan:
+    """What the knobs hand the training loop."""
+
+    model: nn.Module  # the module the loop calls: maybe checkpointed, maybe compiled
+    raw_model: nn.Module  # the plain model: parameters, state_dict, eval
+    micro_steps: int = 1
+    scaler: torch.amp.GradScaler | None = None  # fp16 only
+    contexts: list[Callable[[], AbstractContextManager[Any]]] = field(default_factory=list)
+    notes: dict[str, Any] = field(default_factory=dict)  # what each knob did, for summary.json
+
+    def forward_context(self) -> ExitStack:
+        """Enter every knob's context (autocast, SDPA backend) for one forward pass."""
+        stack = ExitStack()
+        for make in self.contexts:
+            stack.enter_context(make())
+        return stack
+
+
+def apply_knobs(cfg: Any, device: torch.device, model: nn.Module, stack: ExitStack) -> Plan:
+    """Apply every knob in a fixed order: backends, precision, checkpointing, compile."""
+    from perfrun.knobs import backends, checkpointing, compile, precision
+
+    plan = Plan(model=model, raw_model=model, micro_steps=int(cfg.accumulation.steps))
+    plan.notes["accumulation_steps"] = plan.micro_steps
+    for knob in (backends, precision, checkpointing, compile):
+        knob.apply(cfg, device, plan, stack)
+    return plan

@@ -1,0 +1,144 @@
+"""GPT-2's architecture: pre-norm blocks, learned positions, GELU MLP, tied embeddings.
+
+Attention goes through ``scaled_dot_product_attention`` with ``is_causal=True`` (no mask
+tensor, so the flash and memory-efficient kernels apply); ``attention="eager"`` computes
+softmax over a causal mask built once, for comparison.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.nn import functional as F
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 256  # padded to a multiple of 64 by :func:`padded_vocab`
+    block_size: int = 256
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    dropout: float = 0.0
+    bias: bool = True
+    attention: str = "sdpa"  # sdpa | eager
+
+
+def padded_vocab(vocab_size: int, multiple: int = 64) -> int:
+    """Round the vocabulary up: matmuls on a multiple of 64 run faster (50257 -> 50304)."""
+    return ((vocab_size + multiple - 1) // multiple) * multiple
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+        self.dropout = cfg.dropout
+        self.eager = cfg.attention == "eager"
+        if self.eager:
+            # Built once; sliced to the sequence length on each call.
+            mask = torch.tril(torch.ones(cfg.block_size, cfg.block_size, dtype=torch.bool))
+            self.register_buffer("causal_mask", mask.view(1, 1, cfg.block_size, cfg.block_size), persistent=False)
+            self.attn_dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        if self.eager:
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+            att = att.masked_fill(~self.causal_mask[:, :, :T, :T], float("-inf"))
+            att = self.attn_dropout(F.softmax(att, dim=-1))
+            y = att @ v
+        else:
+            y = F.scaled_dot_product_attention(
+                q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+            )
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
+        self.gelu = nn.GELU(approximate="tanh")  # GPT-2's GELU
+        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied embeddings
+        self.apply(self._init_weights)
+        # GPT-2: scale the residual projections by 1/sqrt(2 * n_layer).
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def num_params(self, non_embedding: bool = True) -> int:
+        """Parameters; the position embedding is left out of the non-embedding count
+        (the token embedding is tied to the head, so it counts, as in nanoGPT)."""
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.wpe.weight.numel() if non_embedding else n
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token: 6N + 12*L*H*Q*T (PaLM appendix B, as nanoGPT uses).
+
+        N: non-embedding parameters; forward + backward of each weight costs 6 FLOPs per
+        token; attention's score and value matmuls add 12 * layers * heads * head_dim * T.
+        Activation recomputation (checkpointing) is not counted: this is model FLOPs.
+        """
+        c = self.config
+        return 6 * self.num_params() + 12 * c.n_layer * c.n_head * (c.n_embd // c.n_head) * seq_len
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        T = idx.size(1)
+        pos = torch.arange(T, device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(pos))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+        return logits, loss

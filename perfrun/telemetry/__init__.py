@@ -1,0 +1,1 @@
+"""Measurements: step timing and throughput, NVML and host sampling, and the sinks they flow to."""

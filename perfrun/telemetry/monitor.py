@@ -1,0 +1,452 @@
+"""The training monitor: a background sampler of NVML and host figures, aggregated per interval.
+
+Why a background thread: a value read at a step boundary (after a synchronise) sees
+the GPU at its least busy; sampling every ``sample_interval_s`` and reporting mean and
+max over the interval shows what the GPU did *during* the steps. NVML calls go
+through ctypes, which releases the GIL, so the thread costs the training loop little;
+its cost is measured anyway (``monitor_overhead_s`` in the summary).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from perfrun.telemetry import nvml as nvml_mod
+from perfrun.telemetry.host import HostSampler
+
+_MIB = 1024 * 1024
+
+#: Steps slower than the run's median step time by more than this are "slow".
+SLOW_STEP_FACTOR = 1.10
+#: At most this many slow intervals are listed in the summary (the slowest first).
+MAX_SLOW_STEPS_LISTED = 50
+
+_GPU_FIELDS = (
+    "gpu_util",
+    "gpu_mem_util",
+    "gpu_mem_used",
+    "power_w",
+    "temp_c",
+    "sm_clock",
+    "mem_clock",
+    "pcie_tx",
+    "pcie_rx",
+)
+
+
+@dataclass
+class Sample:
+    """One reading of everything the sampler watches; ``None`` is N/A."""
+
+    t: float
+    rss_mib: float | None = None
+    gpu_util: float | None = None
+    gpu_mem_util: float | None = None
+    gpu_mem_used: float | None = None  # MiB
+    power_w: float | None = None
+    temp_c: float | None = None
+    sm_clock: float | None = None
+    mem_clock: float | None = None
+    pcie_tx: float | None = None  # MB/s
+    pcie_rx: float | None = None
+    reasons: list[str] | None = None  # decoded clock-event reasons
+
+
+@dataclass
+class _Agg:
+    """Running count/sum/max/min of one field, skipping N/A."""
+
+    n: int = 0
+    total: float = 0.0
+    hi: float = -math.inf
+    lo: float = math.inf
+
+    def add(self, v: float | None) -> None:
+        if v is None:
+            return
+        self.n += 1
+        self.total += v
+        self.hi = max(self.hi, v)
+        self.lo = min(self.lo, v)
+
+    @property
+    def mean(self) -> float | None:
+        return self.total / self.n if self.n else None
+
+    @property
+    def max(self) -> float | None:
+        return self.hi if self.n else None
+
+    @property
+    def min(self) -> float | None:
+        return self.lo if self.n else None
+
+
+@dataclass
+class _Window:
+    """Aggregates over a span of samples: one per interval, one for the whole run."""
+
+    samples: int = 0
+    aggs: dict[str, _Agg] = field(default_factory=dict)
+    reasons_seen: set[str] = field(default_factory=set)
+    reason_samples: int = 0  # samples whose reasons could be read
+    slowdown_samples: int = 0
+    slowdown_reasons: set[str] = field(default_factory=set)
+    power_integral_j: float = 0.0
+    power_integral_ok: bool = True
+
+    def agg(self, name: str) -> _Agg:
+        a = self.aggs.get(name)
+        if a is None:
+            a = self.aggs[name] = _Agg()
+        return a
+
+    def add(self, s: Sample, prev: Sample | None) -> None:
+        self.samples += 1
+        self.agg("rss_mib").add(s.rss_mib)
+        for name in _GPU_FIELDS:
+            self.agg(name).add(getattr(s, name))
+        if s.reasons is not None:
+            self.reason_samples += 1
+            self.reasons_seen.update(s.reasons)
+            slow = [r for r in s.reasons if r in nvml_mod.SLOWDOWN_REASONS]
+            if slow:
+                self.slowdown_samples += 1
+                self.slowdown_reasons.update(slow)
+        if prev is not None and s.t > prev.t:
+            if s.power_w is None or prev.power_w is None:
+                self.power_integral_ok = False
+            else:  # trapezoid: the fallback when the energy counter is N/A
+                self.power_integral_j += 0.5 * (s.power_w + prev.power_w) * (s.t - prev.t)
+
+    def throttled_share(self) -> float | None:
+        return self.slowdown_samples / self.reason_samples if self.reason_samples else None
+
+
+@dataclass
+class _IntervalRecord:
+    """What the slow-step rule needs from one collect() interval."""
+
+    since_step: int | None  # the previous collect's step (exclusive); None for the first
+    step: int
+    step_time_s: float | None
+    slowdown_reasons: set[str]
+
+
+def _r(v: float | None, nd: int = 1) -> float | None:
+    return None if v is None else round(v, nd)
+
+
+class Monitor:
+    """Samples the run's GPU (via NVML) and the host in a background thread.
+
+    The trainer calls :meth:`start`, then :meth:`collect` every ``every_n_steps`` steps,
+    :meth:`summary` at the end and :meth:`close` (idempotent) in a ``finally``.
+    On a CPU device only host figures are sampled and GPU keys are left out of
+    :meth:`collect`'s record (they are ``None`` in :meth:`summary`).
+    """
+
+    def __init__(self, device: torch.device, cfg_monitor: Any, *, nvml_module: Any = None) -> None:
+        t0 = time.perf_counter()
+        self.device = torch.device(device)
+        self.interval_s = max(float(cfg_monitor.sample_interval_s), 0.01)
+        self.pcie = bool(getattr(cfg_monitor, "pcie", False))
+        self.is_cuda = self.device.type == "cuda"
+        self.host = HostSampler()
+
+        self.nvml: nvml_mod.Nvml | None = None
+        self.gpu: nvml_mod.NvmlDevice | None = None
+        self.mem_total_mib: float | None = None
+        self.power_limit_w: float | None = None
+        if self.is_cuda:
+            self.nvml = nvml_mod.get_session(nvml_module)
+            index = self.device.index
+            if index is None:
+                index = torch.cuda.current_device() if torch.cuda.is_available() else 0
+            self.gpu = self.nvml.match_torch_device(index)
+            if self.gpu is not None:
+                _, self.mem_total_mib = self.nvml.memory_mib(self.gpu.handle)
+                self.power_limit_w = self._power_limit()
+
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._prev: Sample | None = None
+        self._interval = _Window()
+        self._run = _Window()
+        self._records: list[_IntervalRecord] = []
+        self._last_step: int | None = None
+        self._interval_t0 = time.perf_counter()
+        self._run_t0 = self._interval_t0
+        self._host_weighted: dict[str, list[float]] = {"host_cpu_pct": [0.0, 0.0], "workers_cpu_pct": [0.0, 0.0]}
+        self._workers_max = 0
+
+        self._energy_start_mj = self._energy_mj()
+        self._energy_last_mj = self._energy_start_mj
+
+        self.sampler_cpu_s = 0.0
+        self.sampler_wall_s = 0.0
+        self.collect_s = 0.0
+        self.setup_s = time.perf_counter() - t0
+
+    # -- reading ----------------------------------------------------------------------
+
+    def _power_limit(self) -> float | None:
+        assert self.nvml is not None and self.gpu is not None
+        mw = self.nvml.call("power_limit_w", "nvmlDeviceGetEnforcedPowerLimit", self.gpu.handle)
+        return None if mw is None else mw / 1000.0
+
+    def _energy_mj(self) -> float | None:
+        if self.nvml is None or self.gpu is None:
+            return None
+        v = self.nvml.call("energy_j", "nvmlDeviceGetTotalEnergyConsumption", self.gpu.handle)
+        return None if v is None else float(v)
+
+    def sample(self) -> Sample:
+        """Take one sample now and add it to the current interval (the thread calls this)."""
+        s = Sample(t=time.perf_counter(), rss_mib=self.host.rss_mib())
+        if self.nvml is not None and self.gpu is not None:
+            n, h, m = self.nvml, self.gpu.handle, self.nvml.module
+            util = n.call("gpu_util_pct", "nvmlDeviceGetUtilizationRates", h)
+            if util is not None:
+                s.gpu_util, s.gpu_mem_util = float(util.gpu), float(util.memory)
+            s.gpu_mem_used, _ = n.memory_mib(h)
+            mw = n.call("power_w", "nvmlDeviceGetPowerUsage", h)
+            s.power_w = None if mw is None else mw / 1000.0
+            s.temp_c = _num(n.call("temp_c", "nvmlDeviceGetTemperature", h, getattr(m, "NVML_TEMPERATURE_GPU", 0)))
+            s.sm_clock = _num(n.call("sm_clock_mhz", "nvmlDeviceGetClockInfo", h, getattr(m, "NVML_CLOCK_SM", 1)))
+            s.mem_clock = _num(n.call("mem_clock_mhz", "nvmlDeviceGetClockInfo", h, getattr(m, "NVML_CLOCK_MEM", 2)))
+            s.reasons = n.throttle_reasons(h)
+            if self.pcie:  # each call blocks ~20 ms inside NVML (GIL released)
+                tx = n.call("pcie_tx", "nvmlDeviceGetPcieThroughput", h, getattr(m, "NVML_PCIE_UTIL_TX_BYTES", 0))
+                rx = n.call("pcie_rx", "nvmlDeviceGetPcieThroughput", h, getattr(m, "NVML_PCIE_UTIL_RX_BYTES", 1))
+                s.pcie_tx = None if tx is None else tx / 1000.0  # KB/s -> MB/s
+                s.pcie_rx = None if rx is None else rx / 1000.0
+        with self._lock:
+            self._interval.add(s, self._prev)
+            self._run.add(s, self._prev)
+            self._prev = s
+        return s
+
+    # -- thread -----------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the daemon sampler thread (once; a closed monitor stays closed)."""
+        if self._thread is not None or self._closed:
+            return
+        self._thread = threading.Thread(target=self._loop, name="perfrun-monitor", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        next_t = time.perf_counter()
+        while not self._stop.is_set():
+            c0, w0 = time.thread_time(), time.perf_counter()
+            try:
+                self.sample()
+            except Exception as exc:  # noqa: BLE001 - telemetry must never kill training
+                nvml_mod.warn_once("monitor:sample", f"monitor sample failed ({type(exc).__name__}: {exc}); continuing")
+            w1 = time.perf_counter()
+            self.sampler_cpu_s += time.thread_time() - c0
+            self.sampler_wall_s += w1 - w0
+            next_t += self.interval_s
+            if next_t < w1:  # fell behind (a blocking PCIe read): don't burst to catch up
+                next_t = w1
+            self._stop.wait(next_t - w1)
+
+    def close(self) -> None:
+        """Stop the thread. Idempotent. NVML stays initialised: others may use it."""
+        self._closed = True
+        self._stop.set()
+        t = self._thread
+        if t is not None and t.is_alive() and t is not threading.current_thread():
+            t.join(timeout=max(2.0, 3 * self.interval_s))
+
+    def __enter__(self) -> Monitor:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- reporting ----------------------------------------------------------------------
+
+    def collect(self, step: int, step_time_s: float | None) -> dict[str, Any]:
+        """Mean/max over the samples since the last collect, as flat JSON-able keys.
+
+        ``step_time_s``: the trainer's mean step time over the same interval (``None``
+        for warm-up), kept so :meth:`summary` can link slow steps to throttling. If no
+        sample fell in the interval (collect called faster than the sample period), one
+        is taken now so the record is never empty.
+        """
+        t0 = time.perf_counter()
+        with self._lock:
+            empty = self._interval.samples == 0
+        if empty:
+            self.sample()
+        with self._lock:
+            w, self._interval = self._interval, _Window()
+        now = time.perf_counter()
+        dt, self._interval_t0 = now - self._interval_t0, now
+        hi = self.host.interval()
+
+        out: dict[str, Any] = {"monitor_samples": w.samples}
+        if self.is_cuda:
+            out.update(self._gpu_record(w))
+        out["host_cpu_pct_mean"] = _r(hi.host_cpu_pct)
+        out["proc_cpu_pct_mean"] = _r(hi.proc_cpu_pct)
+        out["rss_mib_max"] = _r(w.agg("rss_mib").max)
+        out["workers"] = hi.workers
+        out["workers_cpu_pct_mean"] = _r(hi.workers_cpu_pct)
+
+        for key, value in (("host_cpu_pct", hi.host_cpu_pct), ("workers_cpu_pct", hi.workers_cpu_pct)):
+            if value is not None:
+                self._host_weighted[key][0] += value * dt
+                self._host_weighted[key][1] += dt
+        self._workers_max = max(self._workers_max, hi.workers)
+        self._records.append(
+            _IntervalRecord(
+                since_step=self._last_step,
+                step=step,
+                step_time_s=step_time_s,
+                slowdown_reasons=set(w.slowdown_reasons),
+            )
+        )
+        self._last_step = step
+        self.collect_s += time.perf_counter() - t0
+        return out
+
+    def _gpu_record(self, w: _Window) -> dict[str, Any]:
+        a = w.agg
+        energy_j: float | None = None
+        now_mj = self._energy_mj()
+        if now_mj is not None and self._energy_last_mj is not None:
+            energy_j = (now_mj - self._energy_last_mj) / 1000.0
+        elif self._energy_start_mj is None and w.power_integral_ok and w.samples > 1:
+            energy_j = w.power_integral_j  # counter N/A: integrate the power samples
+        if now_mj is not None:
+            self._energy_last_mj = now_mj
+        rec: dict[str, Any] = {
+            "gpu_util_pct_mean": _r(a("gpu_util").mean),
+            "gpu_util_pct_max": _r(a("gpu_util").max),
+            "gpu_mem_util_pct_mean": _r(a("gpu_mem_util").mean),
+            "gpu_mem_used_mib": _r(a("gpu_mem_used").max, 0),
+            "gpu_mem_total_mib": _r(self.mem_total_mib, 0),
+            "power_w_mean": _r(a("power_w").mean),
+            "power_w_max": _r(a("power_w").max),
+            "power_limit_w": _r(self.power_limit_w),
+            "temp_c_mean": _r(a("temp_c").mean),
+            "temp_c_max": _r(a("temp_c").max),
+            "sm_clock_mhz_mean": _r(a("sm_clock").mean, 0),
+            "sm_clock_mhz_min": _r(a("sm_clock").min, 0),
+            "mem_clock_mhz_mean": _r(a("mem_clock").mean, 0),
+            "throttle_reasons": sorted(w.reasons_seen) if w.reason_samples else None,
+            "throttled_sample_share": _r(w.throttled_share(), 3),
+            "energy_j": _r(energy_j, 2),
+        }
+        if self.pcie:
+            rec["pcie_tx_mb_s_mean"] = _r(a("pcie_tx").mean)
+            rec["pcie_rx_mb_s_mean"] = _r(a("pcie_rx").mean)
+        return rec
+
+    def throttle_slow_steps(self) -> list[dict[str, Any]]:
+        """Intervals that were slow while the GPU reported a slowdown reason.
+
+        The rule, exactly: take every :meth:`collect` interval with a step time
+        (``step_time_s`` not ``None``); the median of those step times is the run's
+        median. An interval is listed when its step time is more than
+        ``SLOW_STEP_FACTOR`` (1.10) times that median AND at least one sample taken
+        during it reported a slowdown clock-event reason (:data:`nvml.SLOWDOWN_REASONS`:
+        power cap, thermal or hardware slowdown, power brake, sync boost, board limit,
+        reliability; not ``gpu_idle`` or a configured clock). Fewer than 3 timed
+        intervals give no median worth comparing against, so nothing is listed.
+        Listed slowest first, at most ``MAX_SLOW_STEPS_LISTED``; each entry covers the
+        steps after ``since_step`` up to and including ``step``.
+        """
+        timed = [r for r in self._records if r.step_time_s is not None and r.step_time_s > 0]
+        if len(timed) < 3:
+            return []
+        median = statistics.median(r.step_time_s for r in timed)  # type: ignore[misc]
+        out = []
+        for r in timed:
+            assert r.step_time_s is not None
+            if r.step_time_s > SLOW_STEP_FACTOR * median and r.slowdown_reasons:
+                out.append(
+                    {
+                        "step": r.step,
+                        "since_step": r.since_step,
+                        "step_time_s": round(r.step_time_s, 6),
+                        "median_step_time_s": round(median, 6),
+                        "slower_pct": round(100.0 * (r.step_time_s / median - 1.0), 1),
+                        "reasons": sorted(r.slowdown_reasons),
+                    }
+                )
+        out.sort(key=lambda d: -d["step_time_s"])
+        return out[:MAX_SLOW_STEPS_LISTED]
+
+    def summary(self, tokens: int) -> dict[str, Any]:
+        """Run-level figures for summary.json.
+
+        ``tokens``: every token processed while the monitor ran (warm-up included),
+        because ``energy_j`` covers that whole span; ``joules_per_token`` divides them.
+        """
+        with self._lock:
+            run = self._run
+            a = run.agg
+            energy_j: float | None = None
+            source: str | None = None
+            now_mj = self._energy_mj()
+            if now_mj is not None and self._energy_start_mj is not None:
+                energy_j, source = (now_mj - self._energy_start_mj) / 1000.0, "nvml_total_energy_counter"
+            elif self.gpu is not None and run.power_integral_ok and run.samples > 1:
+                energy_j, source = run.power_integral_j, "power_samples_integrated"
+            slow = self.throttle_slow_steps()
+            hw = self._host_weighted
+            out: dict[str, Any] = {
+                "gpu_name": self.gpu.name if self.gpu else None,
+                "gpu_uuid": self.gpu.uuid if self.gpu else None,
+                "gpu_util_pct_mean": _r(a("gpu_util").mean),
+                "gpu_util_pct_max": _r(a("gpu_util").max),
+                "gpu_mem_used_mib_max": _r(a("gpu_mem_used").max, 0),
+                "gpu_mem_total_mib": _r(self.mem_total_mib, 0),
+                "power_w_mean": _r(a("power_w").mean),
+                "power_w_max": _r(a("power_w").max),
+                "power_limit_w": _r(self.power_limit_w),
+                "temp_c_max": _r(a("temp_c").max),
+                "sm_clock_mhz_mean": _r(a("sm_clock").mean, 0),
+                "energy_j": _r(energy_j, 2),
+                "energy_source": source,
+                "joules_per_token": (energy_j / tokens) if (energy_j is not None and tokens > 0) else None,
+                "throttle_reasons_seen": sorted(run.reasons_seen) if run.reason_samples else None,
+                "throttled_sample_share": _r(run.throttled_share(), 3),
+                "throttle_slow_steps": slow,
+                "throttle_slow_step_rule": (
+                    f"interval step time > {SLOW_STEP_FACTOR:.2f} x median while a slowdown reason was reported"
+                ),
+                "host_cpu_pct_mean": _r(hw["host_cpu_pct"][0] / hw["host_cpu_pct"][1]) if hw["host_cpu_pct"][1] else None,
+                "rss_mib_max": _r(a("rss_mib").max),
+                "workers_max": self._workers_max,
+                "workers_cpu_pct_mean": (
+                    _r(hw["workers_cpu_pct"][0] / hw["workers_cpu_pct"][1]) if hw["workers_cpu_pct"][1] else None
+                ),
+                "monitor_samples": run.samples,
+                "monitor_sample_interval_s": self.interval_s,
+                "monitor_wall_s": round(time.perf_counter() - self._run_t0, 3),
+                "monitor_setup_s": round(self.setup_s, 4),
+                "monitor_sampler_cpu_s": round(self.sampler_cpu_s, 4),
+                "monitor_sampler_wall_s": round(self.sampler_wall_s, 4),
+                "monitor_collect_s": round(self.collect_s, 4),
+                "monitor_overhead_s": round(self.sampler_cpu_s + self.collect_s, 4),
+            }
+        return out
+
+
+def _num(v: Any) -> float | None:
+    return None if v is None else float(v)

@@ -1,0 +1,137 @@
+"""Where measurements go: metrics.jsonl (line by line, flushed), summary.json (atomic),
+and the console (a rich progress bar on a terminal, plain lines otherwise)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
+log = logging.getLogger("perfrun")
+
+
+def _clean(obj: Any) -> Any:
+    """JSON has no NaN or infinity: write them as null (strict parsers reject them)."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_clean(v) for v in obj]
+    return obj
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    """Write to a temporary file beside ``path``, fsync, then rename over it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(_clean(obj), f, indent=2, default=str)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+class JsonlSink:
+    """Appends one JSON object per line and flushes it, so a crash loses at most one line."""
+
+    def __init__(self, path: Path | None) -> None:
+        self._f = None
+        if path is not None:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            self._f = open(path, "a", encoding="utf-8")
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self._f is not None:
+            self._f.write(json.dumps(_clean(record), default=str) + "\n")
+            self._f.flush()
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+
+
+def _fmt_record(r: dict[str, Any]) -> str:
+    parts = [f"step {r['step']}/{r['max_steps']}", f"loss {r['loss']:.4f}"]
+    parts.append(f"lr {r['lr']:.2e}")
+    if r.get("grad_norm") is not None:
+        parts.append(f"gnorm {r['grad_norm']:.2f}")
+    parts.append(f"{r['step_time_ms']:.1f} ms/step")
+    parts.append(f"{r['tokens_per_s']:,.0f} tok/s")
+    if r.get("mfu") is not None:
+        parts.append(f"MFU {100 * r['mfu']:.1f}%")
+    parts.append(f"data-wait {r['data_wait_pct']:.1f}%")
+    if r.get("peak_mem_mib") is not None:
+        parts.append(f"mem {r['peak_mem_mib']:,.0f} MiB")
+    return " | ".join(parts)
+
+
+class ConsoleReporter:
+    """Live progress for a person, or plain periodic lines for a log file; nothing off rank 0."""
+
+    def __init__(self, mode: str, max_steps: int, enabled: bool = True, console: Console | None = None) -> None:
+        from rich import get_console
+
+        self.console = console or get_console()  # the same console as Hydra's RichHandler
+        if not enabled or mode == "off":
+            self.mode = "off"
+        elif mode == "auto":
+            self.mode = "bar" if self.console.is_terminal else "plain"
+        else:
+            self.mode = mode
+        self._progress: Progress | None = None
+        self._task = None
+        self.max_steps = max_steps
+
+    def __enter__(self) -> ConsoleReporter:
+        if self.mode == "bar":
+            self._progress = Progress(
+                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                TextColumn("{task.fields[live]}"), TimeElapsedColumn(), TimeRemainingColumn(),
+                console=self.console, transient=False,
+            )
+            self._progress.start()
+            self._task = self._progress.add_task("train", total=self.max_steps, live="")
+        return self
+
+    def advance(self, step: int) -> None:
+        if self._progress is not None:
+            self._progress.update(self._task, completed=step)
+
+    def train(self, record: dict[str, Any]) -> None:
+        if self.mode == "off":
+            return
+        if self._progress is not None:
+            live = f"loss {record['loss']:.3f} | {record['tokens_per_s']:,.0f} tok/s"
+            self._progress.update(self._task, completed=record["step"], live=live)
+        log.info(_fmt_record(record))
+
+    def line(self, text: str) -> None:
+        if self.mode != "off":
+            log.info(text)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None

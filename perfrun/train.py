@@ -1,0 +1,459 @@
+"""Setup and the training loop. The loop is knob-agnostic: it calls what the plan hands it.
+
+Data flow: cfg -> setup (device, seed, data, model, knobs, optimizer, loaders) -> loop
+(timed wait for the batch, micro-steps under the plan's contexts, unscale/clip/step) ->
+records to the sinks -> summary.json.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import random
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+import torch
+from omegaconf import OmegaConf
+
+from perfrun.config import ConfigError, validate
+from perfrun.data import build_datasets, build_loader
+from perfrun.environment import device_name, environment, global_state, rank_info
+from perfrun.knobs import Plan, apply_knobs
+from perfrun.model import GPT, GPTConfig, padded_vocab
+from perfrun.optim import build_optimizer, build_scheduler
+from perfrun.telemetry.sinks import ConsoleReporter, JsonlSink, write_json_atomic
+from perfrun.telemetry.throughput import StepTimer, Throughput, median
+
+log = logging.getLogger("perfrun")
+
+
+class RunFailed(RuntimeError):
+    """A run that stopped for a reason the user can act on (out of memory, ...)."""
+
+
+def resolve_device(spec: str) -> torch.device:
+    """auto | cpu | cuda | cuda:N, checked against what this machine has."""
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(spec)
+    except RuntimeError:
+        raise ConfigError(f"device={spec} is not a device; use auto, cpu, cuda or cuda:N") from None
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise ConfigError(f"device={spec}: perfrun trains on cpu or cuda; use device=auto, cpu, cuda or cuda:N")
+    if not torch.cuda.is_available():
+        raise ConfigError(f"device={spec}: no CUDA device is visible (torch {torch.__version__}, cuda {torch.version.cuda}); use device=cpu")
+    count = torch.cuda.device_count()
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index >= count:
+        raise ConfigError(
+            f"device={spec}: this machine has {count} CUDA device(s) (cuda:0..cuda:{count - 1}); "
+            "pick one of them (check CUDA_VISIBLE_DEVICES)"
+        )
+    return torch.device("cuda", index)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def resolve_peak(cfg: Any, device: torch.device, dtype_name: str) -> tuple[float | None, str, dict[str, Any]]:
+    """MFU's denominator: datasheet table, gpu-check's measurement, or the user's number.
+
+    Returns (peak TFLOPS or None, where it came from, both figures for the summary).
+    """
+    from perfrun.telemetry.peaks import datasheet_peak_tflops, measured_peak_tflops
+
+    name = device_name(device)
+    sheet, sheet_note = datasheet_peak_tflops(name, dtype_name)
+    figures: dict[str, Any] = {"datasheet_tflops": sheet, "datasheet_note": sheet_note}
+    choice = str(cfg.mfu.peak)
+    if choice == "datasheet":
+        return sheet, (f"datasheet {dtype_name} peak for {name}" if sheet else sheet_note), figures
+    if choice == "measured":
+        measured, how = measured_peak_tflops(device, _TORCH_DTYPE[dtype_name])
+        figures["measured_tflops"] = measured
+        return measured, f"measured {dtype_name} matmul peak ({how})", figures
+    return float(choice), "mfu.peak given by the user", figures
+
+
+_TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "tf32": torch.float32, "fp32": torch.float32}
+
+
+def mfu_dtype(cfg: Any, device: torch.device) -> str:
+    dtype = cfg.precision.dtype
+    if dtype == "bfloat16":
+        return "bf16"
+    if dtype == "float16":
+        return "fp16"
+    return "tf32" if (device.type == "cuda" and cfg.precision.tf32) else "fp32"
+
+
+class BatchStream:
+    """Endless batches: a new epoch (a new shuffled order) when the loader runs out."""
+
+    def __init__(self, loader: torch.utils.data.DataLoader) -> None:
+        self.loader = loader
+        self.epoch = 0
+        self._it = iter(loader)
+
+    def next(self) -> Any:
+        try:
+            return next(self._it)
+        except StopIteration:
+            self.epoch += 1
+            self._it = iter(self.loader)
+            return next(self._it)
+
+
+class MemoryTracker:
+    """Peak memory: the CUDA allocator's peak on GPU, sampled process RSS on the CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.device = device
+        self.source = "cuda_max_memory_allocated" if self.cuda else "process_rss_sampled_at_log_steps"
+        self._proc = psutil.Process()
+        self._peak = 0
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+
+    def peak_mib(self) -> float:
+        if self.cuda:
+            self._peak = torch.cuda.max_memory_allocated(self.device)
+        else:
+            self._peak = max(self._peak, self._proc.memory_info().rss)
+        return self._peak / 2**20
+
+
+@dataclass
+class Setup:
+    device: torch.device
+    plan: Plan
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    train_loader: torch.utils.data.DataLoader
+    val_loader: torch.utils.data.DataLoader
+    throughput: Throughput
+    seq_len: int
+    notes: dict[str, Any]
+
+
+def setup(cfg: Any, stack: ExitStack) -> Setup:
+    """Everything before the first step: validated config, data, model, knobs, optimizer."""
+    validate(cfg)
+    device = resolve_device(cfg.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        torch.cuda.empty_cache()
+    seed_everything(cfg.seed)
+    seq_len = cfg.data.seq_len or cfg.model.block_size
+    data = build_datasets(cfg.data, seq_len, cfg.seed)
+    log.info(data.description)
+
+    m = cfg.model
+    gcfg = GPTConfig(
+        vocab_size=padded_vocab(data.vocab_size), block_size=m.block_size, n_layer=m.n_layer,
+        n_head=m.n_head, n_embd=m.n_embd, dropout=m.dropout, bias=m.bias, attention=cfg.attention,
+    )
+    model = GPT(gcfg).to(device)
+    plan = apply_knobs(cfg, device, model, stack)
+    optimizer, fused = build_optimizer(model, cfg.optim, device)
+    scheduler = build_scheduler(optimizer, cfg.optim, cfg.max_steps)
+
+    train_loader = build_loader(data.train, cfg.dataloader, device_type=device.type, shuffle=True, seed=cfg.seed)
+    val_loader = build_loader(data.val, cfg.dataloader, device_type=device.type, shuffle=False, seed=cfg.seed)
+
+    dtype_name = mfu_dtype(cfg, device)
+    peak, peak_source, peak_figures = resolve_peak(cfg, device, dtype_name)
+    tokens_per_step = cfg.dataloader.batch_size * seq_len * plan.micro_steps
+    throughput = Throughput(tokens_per_step, model.flops_per_token(seq_len), peak, peak_source)
+    notes = {
+        "knobs": plan.notes,
+        "fused_adamw": fused,
+        "params": model.num_params(non_embedding=False),
+        "params_non_embedding": model.num_params(),
+        "vocab_size": data.vocab_size,
+        "vocab_size_padded": gcfg.vocab_size,
+        "seq_len": seq_len,
+        "tokens_per_step": tokens_per_step,
+        "flops_per_token": throughput.flops_per_token,
+        "mfu_peak_tflops": peak,
+        "mfu_peak_source": peak_source,
+        "mfu_dtype": dtype_name,
+        **peak_figures,
+        "data": data.description,
+    }
+    log.info(
+        f"model {m.name}: {notes['params'] / 1e6:.2f}M parameters, seq_len {seq_len}, "
+        f"{tokens_per_step:,} tokens/step, device {device} ({device_name(device)})"
+    )
+    return Setup(device, plan, optimizer, scheduler, train_loader, val_loader, throughput, seq_len, notes)
+
+
+@torch.no_grad()
+def evaluate(s: Setup, batches: int) -> float | None:
+    """Mean validation loss over the first ``batches`` batches of the (unshuffled) val set.
+
+    Runs the uncompiled model: switching a compiled one to eval mode would recompile it
+    (dynamo guards on ``training``), and that time has nothing to do with training speed.
+    """
+    model = s.plan.raw_model
+    model.eval()
+    losses = []
+    for i, (x, y) in enumerate(s.val_loader):
+        if i >= batches:
+            break
+        x, y = x.to(s.device, non_blocking=True), y.to(s.device, non_blocking=True)
+        with s.plan.forward_context():
+            _, loss = model(x, y)
+        losses.append(loss.float())
+    model.train()
+    if not losses:
+        log.warning("validation set holds less than one batch: no val loss (lower dataloader.batch_size or raise data.val_fraction)")
+        return None
+    return torch.stack(losses).mean().item()
+
+
+def _oom_message(cfg: Any, device: torch.device) -> str:
+    used = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+    total = torch.cuda.get_device_properties(device).total_memory / 2**30 if device.type == "cuda" else 0.0
+    return (
+        f"out of memory on {device} (peak {used:.1f} of {total:.1f} GiB) with model={cfg.model.name} "
+        f"dataloader.batch_size={cfg.dataloader.batch_size} seq_len={cfg.data.seq_len or cfg.model.block_size}; "
+        "try a smaller dataloader.batch_size with accumulation.steps to keep the global batch, "
+        "checkpointing=full, or precision=bf16"
+    )
+
+
+def train_loop(cfg: Any, s: Setup, sink: JsonlSink, reporter: ConsoleReporter, monitor: Any) -> dict[str, Any]:
+    """Run max_steps optimizer steps; return the figures for summary.json."""
+    plan, device = s.plan, s.device
+    model, opt, sched, scaler = plan.model, s.optimizer, s.scheduler, plan.scaler
+    params = [p for p in plan.raw_model.parameters() if p.requires_grad]
+    clip = cfg.optim.grad_clip
+    micro = plan.micro_steps
+    stream = BatchStream(s.train_loader)
+    timer = StepTimer(device)
+    memory = MemoryTracker(device)
+    tp = s.throughput
+    warm = cfg.timing_warmup_steps
+
+    host_wall: list[float] = []
+    data_wait: list[float] = []
+    loss_sum = torch.zeros((), device=device)
+    grad_norm = torch.zeros((), device=device)
+    interval_start_step, interval_time, interval_tokens = 0, 0.0, 0
+    total_time, total_tokens = 0.0, 0
+    last_train_loss: float | None = None
+    last_val: float | None = None
+    first_step_s: float | None = None
+    eval_time = 0.0
+    records = 0
+
+    model.train()
+    t_loop = time.perf_counter()
+    timer.start()
+    for step in range(1, cfg.max_steps + 1):
+        t0 = time.perf_counter()
+        wait = 0.0
+        for _ in range(micro):
+            tw = time.perf_counter()
+            x, y = stream.next()
+            wait += time.perf_counter() - tw
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            with plan.forward_context():
+                _, loss = model(x, y)
+                loss = loss / micro
+            if scaler is not None:
+                scaler.scale(loss).backward()
+            else:
+                loss.backward()
+            loss_sum += loss.detach()
+        if scaler is not None:
+            scaler.unscale_(opt)
+        if clip > 0 or step % cfg.log_every == 0:
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+        sched.step()
+        timer.step_end()
+        host_wall.append(time.perf_counter() - t0)
+        data_wait.append(wait)
+        if step == 1:
+            timer.flush()
+            first_step_s = time.perf_counter() - t_loop
+        reporter.advance(step)
+
+        if step % cfg.log_every == 0 or step == cfg.max_steps:
+            timer.flush()
+            n = step - interval_start_step
+            durations = timer.durations[interval_start_step:step]
+            interval_time = sum(durations)
+            interval_tokens = n * tp.tokens_per_step
+            total_time += interval_time
+            total_tokens += interval_tokens
+            tps = tp.tokens_per_s(interval_time, n)
+            last_train_loss = loss_sum.item() / n
+            wall = sum(host_wall[interval_start_step:step])
+            record = {
+                "kind": "train", "step": step, "max_steps": cfg.max_steps, "loss": last_train_loss,
+                "lr": sched.get_last_lr()[0],
+                "grad_norm": grad_norm.item() if (clip > 0 or step % cfg.log_every == 0) else None,
+                "step_time_ms": 1000 * interval_time / n, "tokens_per_s": tps, "mfu": tp.mfu(tps),
+                "data_wait_pct": 100 * sum(data_wait[interval_start_step:step]) / wall if wall > 0 else 0.0,
+                "peak_mem_mib": memory.peak_mib(), "interval_steps": n, "interval_tokens": interval_tokens,
+                "interval_s": interval_time, "tokens": total_tokens, "elapsed_s": time.perf_counter() - t_loop,
+            }
+            if scaler is not None:
+                record["loss_scale"] = scaler.get_scale()
+            if not np.isfinite(last_train_loss):
+                record["nonfinite"] = True
+            sink.write(record)
+            reporter.train(record)
+            records += 1
+            loss_sum.zero_()
+            interval_start_step = step
+
+        if monitor is not None and step % cfg.monitor.every_n_steps == 0:
+            stats = monitor.collect(step, tp_step_time(timer, step, cfg.monitor.every_n_steps))
+            sink.write({"kind": "monitor", "step": step, **stats})
+
+        if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.max_steps:
+            timer.flush()
+            te = time.perf_counter()
+            last_val = evaluate(s, cfg.eval_batches)
+            eval_time += time.perf_counter() - te
+            sink.write({"kind": "eval", "step": step, "val_loss": last_val})
+            if last_val is not None:
+                reporter.line(f"step {step}: val loss {last_val:.4f}")
+            timer.start()  # eval time stays out of the step times
+
+    steady = timer.durations[warm:] if len(timer.durations) > warm else []
+    steady_wall = host_wall[warm:]
+    med = median(steady)
+    tps_median = tp.tokens_per_step / med if med else None
+    steady_time = sum(steady)
+    return {
+        "steps": cfg.max_steps,
+        "tokens": total_tokens,
+        "train_time_s": total_time,
+        "eval_time_s": eval_time,
+        "first_step_s": first_step_s,
+        "step_time_ms_median": 1000 * med if med else None,
+        "steady_steps": len(steady),
+        "tokens_per_s_median": tps_median,
+        "tokens_per_s_mean": tp.tokens_per_s(steady_time, len(steady)) if steady else None,
+        "mfu_median": tp.mfu(tps_median) if tps_median else None,
+        "peak_mem_mib": memory.peak_mib(),
+        "peak_mem_source": memory.source,
+        "data_wait_pct": 100 * sum(data_wait[warm:]) / sum(steady_wall) if steady_wall else None,
+        "compile_s_estimate": (first_step_s - med) if (cfg.compile and first_step_s and med) else None,
+        "final_train_loss": last_train_loss,
+        "final_val_loss": last_val,
+        "epochs_started": stream.epoch + 1,
+        "records": records,
+    }
+
+
+def tp_step_time(timer: StepTimer, step: int, n: int) -> float | None:
+    """Mean measured step time over the last ``n`` steps (for linking throttling to slow steps)."""
+    timer.flush()
+    recent = timer.durations[max(0, step - n):step]
+    return sum(recent) / len(recent) if recent else None
+
+
+def run(cfg: Any, run_dir: Path | None, *, overrides: list[str] | None = None) -> dict[str, Any]:
+    """One training job. Writes metrics.jsonl and summary.json into ``run_dir`` (rank 0).
+
+    Raises ConfigError or RunFailed, after writing a ``failed`` summary, for what the user
+    can fix; the caller turns them into one line and an exit code.
+    """
+    rank, world = rank_info()
+    main = rank == 0
+    t_start = time.perf_counter()
+    state_at_start = global_state()
+    summary: dict[str, Any] = {"status": "running", "overrides": list(overrides or []), "rank": rank, "world_size": world}
+    sink = JsonlSink(run_dir / "metrics.jsonl" if (main and run_dir is not None) else None)
+    monitor = None
+    device: torch.device | None = None
+    try:
+        with ExitStack() as stack:
+            s = setup(cfg, stack)
+            device = s.device
+            summary.update(s.notes)
+            summary["environment"] = environment(device)
+            summary["setup_s"] = time.perf_counter() - t_start
+            if cfg.monitor.every_n_steps > 0:
+                from perfrun.telemetry.monitor import Monitor
+
+                monitor = Monitor(device, cfg.monitor)
+                monitor.start()
+            with ConsoleReporter(cfg.progress, cfg.max_steps, enabled=main) as reporter:
+                try:
+                    figures = train_loop(cfg, s, sink, reporter, monitor)
+                except torch.OutOfMemoryError:
+                    raise RunFailed(_oom_message(cfg, device)) from None
+            summary.update(figures)
+            if monitor is not None:
+                monitor.close()
+                summary["monitor"] = monitor.summary(figures["tokens"])
+            summary["status"] = "completed"
+            del s
+        return summary
+    except (ConfigError, RunFailed) as e:
+        summary["status"] = "failed"
+        summary["reason"] = str(e)
+        raise
+    finally:
+        if monitor is not None:
+            monitor.close()
+        sink.close()
+        _release(device)
+        summary["global_state_at_start"] = state_at_start
+        summary["global_state_after"] = global_state()
+        summary["wall_s"] = time.perf_counter() - t_start
+        if cfg is not None:
+            summary["config"] = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else cfg
+        if main and run_dir is not None:
+            write_json_atomic(run_dir / "summary.json", summary)
+        if summary["status"] == "completed":
+            _log_summary(summary)
+
+
+def _release(device: torch.device | None) -> None:
+    """Give back what this job took, so the next job of a sweep starts clean."""
+    gc.collect()
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _log_summary(s: dict[str, Any]) -> None:
+    def f(v: Any, fmt: str) -> str:
+        return "n/a" if v is None else format(v, fmt)
+
+    mfu = s.get("mfu_median")
+    log.info(
+        f"done: {f(s.get('tokens_per_s_median'), ',.0f')} tok/s (median of {s.get('steady_steps')} steady steps), "
+        f"MFU {f(None if mfu is None else 100 * mfu, '.1f')}%"
+        + ("" if mfu is not None else f" ({s.get('mfu_peak_source')})")
+        + f", peak mem {f(s.get('peak_mem_mib'), ',.0f')} MiB, data-wait {f(s.get('data_wait_pct'), '.1f')}%, "
+        f"first step {f(s.get('first_step_s'), '.2f')} s, train loss {f(s.get('final_train_loss'), '.4f')}, "
+        f"val loss {f(s.get('final_val_loss'), '.4f')}"
+    )

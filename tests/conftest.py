@@ -1,0 +1,55 @@
+"""Shared fixtures: compose a real configuration from conf/ and run small jobs on the CPU."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from perfrun.cli import config_dir
+from perfrun.config import register_configs
+
+REPO = Path(__file__).resolve().parent.parent
+
+# A model small enough that a 30-step job takes about a second on 2 cores.
+TINY = [
+    "model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=32",
+    "dataloader.batch_size=4", "max_steps=30", "log_every=5", "eval_every=0", "eval_batches=2",
+    "monitor.every_n_steps=0", "device=cpu", "progress=off", "optim.warmup_steps=5",
+]
+
+
+def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _cache_dir(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """One data cache for the whole session, out of the user's home."""
+    os.environ["PERFRUN_CACHE"] = str(tmp_path_factory.mktemp("perfrun-cache"))
+
+
+def make_cfg(*overrides: str, tiny: bool = True) -> Any:
+    register_configs()
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+        return compose("train", overrides=(TINY if tiny else []) + list(overrides))
+
+
+def run_cli(*args: str, cwd: Path, timeout: float = 240, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``perfrun ARGS`` in a real subprocess, as a user runs it."""
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200", **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "perfrun", *args], cwd=cwd, env=full_env,
+        capture_output=True, text=True, timeout=timeout,
+    )

@@ -1,0 +1,398 @@
+"""perfrun.data: windows, file formats, caches, loaders and the one-line errors."""
+
+from __future__ import annotations
+
+import pickle
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+from torch.utils.data import DataLoader
+
+from perfrun import data as D
+from perfrun.config import ConfigError, DataConfig, DataLoaderConfig
+from perfrun.data import build_datasets, build_loader
+
+# --------------------------------------------------------------------------- helpers
+
+
+def write_llmc(path: Path, tokens: np.ndarray, *, magic: int = 20240520, version: int = 1,
+               count: int | None = None) -> None:
+    """A token file as llm.c's write_datafile writes it: 256 x int32 header, uint16 tokens."""
+    header = np.zeros(256, dtype=np.int32)
+    header[:3] = [magic, version, len(tokens) if count is None else count]
+    with open(path, "wb") as f:
+        f.write(header.tobytes())
+        f.write(np.asarray(tokens, dtype=np.uint16).tobytes())
+
+
+def stream(ds) -> np.ndarray:
+    """The tokens a dataset covers, rebuilt from its windows (x of each, plus the last y)."""
+    xs = [ds[i][0].numpy() for i in range(len(ds))]
+    return np.concatenate(xs + [ds[len(ds) - 1][1].numpy()[-1:]])
+
+
+def batches(loader: DataLoader) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(x.clone(), y.clone()) for x, y in loader]
+
+
+def dl(**kw) -> DataLoaderConfig:
+    return DataLoaderConfig(**kw)
+
+
+@pytest.fixture
+def arange_bin(tmp_path: Path) -> Path:
+    """A nanoGPT .bin holding 0, 1, ..., 1000: a token's value is its position."""
+    p = tmp_path / "arange.bin"
+    np.arange(1001, dtype=np.uint16).tofile(p)
+    return p
+
+
+# --------------------------------------------------------------------------- windows and formats
+
+
+def test_windows_shift_by_one(arange_bin: Path) -> None:
+    b = build_datasets(DataConfig(name="memmap", path=str(arange_bin), vocab_size=2000), 16, 0)
+    n_train = 1001 - 100  # the last val_fraction=0.1 of the tokens is val
+    assert len(b.train) == (n_train - 1) // 16
+    for i in (0, 1, len(b.train) - 1):
+        x, y = b.train[i]
+        assert x.dtype == torch.int64 and x.shape == (16,) and y.shape == (16,)
+        assert torch.equal(x, torch.arange(i * 16, i * 16 + 16))
+        assert torch.equal(y, x + 1)
+    assert torch.equal(b.train[-1][0], b.train[len(b.train) - 1][0])
+    with pytest.raises(IndexError):
+        b.train[len(b.train)]
+    assert int(b.val[0][0][0]) == n_train  # val starts where train ends
+    assert b.vocab_size == 2000
+
+
+def test_nanogpt_folder_round_trip(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    train = rng.integers(0, 50257, 5000).astype(np.uint16)
+    val = rng.integers(0, 50257, 700).astype(np.uint16)
+    train.tofile(tmp_path / "train.bin")
+    val.tofile(tmp_path / "val.bin")
+    b = build_datasets(DataConfig(name="memmap", path=str(tmp_path), vocab_size=50257), 64, 0)
+    got_train, got_val = stream(b.train), stream(b.val)
+    assert np.array_equal(got_train, train[: len(b.train) * 64 + 1])
+    assert np.array_equal(got_val, val[: len(b.val) * 64 + 1])
+    assert b.vocab_size == 50257 and "nanoGPT" in b.description
+
+
+def test_llmc_header_detected(tmp_path: Path) -> None:
+    tokens = np.random.default_rng(1).integers(0, 50257, 500).astype(np.uint16)
+    p = tmp_path / "fineweb_train_000001.bin"
+    write_llmc(p, tokens)
+    b = build_datasets(DataConfig(name="memmap", path=str(p), val_fraction=0.2), 8, 0)
+    assert "llm.c" in b.description
+    assert b.train.n_tokens == 400 and b.val.n_tokens == 100  # header[2] = 500 tokens, 80/20
+    assert torch.equal(b.train[0][0], torch.from_numpy(tokens[:8].astype(np.int64)))  # not the header
+    assert torch.equal(b.val[0][0], torch.from_numpy(tokens[400:408].astype(np.int64)))
+    assert np.array_equal(stream(b.train), tokens[: len(b.train) * 8 + 1])
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def _case_text_missing(t: Path):
+    return DataConfig(name="text", path=str(t / "nope.txt")), 8, t / "nope.txt", ["does not exist"]
+
+
+def _case_memmap_missing(t: Path):
+    return DataConfig(name="memmap", path=str(t / "nope")), 8, t / "nope", ["does not exist"]
+
+
+def _case_empty_folder(t: Path):
+    (t / "d").mkdir()
+    (t / "d" / ".hidden").write_text("skipped")
+    return DataConfig(name="text", path=str(t / "d")), 8, t / "d", ["no files"]
+
+
+def _case_empty_text(t: Path):
+    (t / "e.txt").write_bytes(b"")
+    return DataConfig(name="text", path=str(t / "e.txt")), 8, t / "e.txt", ["is empty"]
+
+
+def _case_empty_bin(t: Path):
+    (t / "e.bin").write_bytes(b"")
+    return DataConfig(name="memmap", path=str(t / "e.bin")), 8, t / "e.bin", ["is empty"]
+
+
+def _case_too_short(t: Path):
+    (t / "s.txt").write_bytes(b"x" * 50)  # 45 train bytes, 5 val bytes
+    return (DataConfig(name="text", path=str(t / "s.txt")), 64, t / "s.txt",
+            ["train split has 45 tokens", "needs 65", "data.seq_len (at most 44)"])
+
+
+def _case_val_too_short(t: Path):
+    (t / "v.txt").write_bytes(b"y" * 1000)
+    return (DataConfig(name="text", path=str(t / "v.txt"), val_fraction=0.01), 32, t / "v.txt",
+            ["val split", "has 10 tokens", "data.val_fraction"])
+
+
+def _case_odd_bin(t: Path):
+    (t / "odd.bin").write_bytes(b"\x01" * 11)
+    return DataConfig(name="memmap", path=str(t / "odd.bin")), 2, t / "odd.bin", ["11 bytes", "odd", "uint16"]
+
+
+def _case_llmc_version(t: Path):
+    write_llmc(t / "v3.bin", np.arange(100), version=3)
+    return DataConfig(name="memmap", path=str(t / "v3.bin")), 8, t / "v3.bin", ["version 3", "version 1"]
+
+
+def _case_llama3(t: Path):
+    write_llmc(t / "l3.bin", np.arange(100), magic=20240801, version=7)
+    return DataConfig(name="memmap", path=str(t / "l3.bin")), 8, t / "l3.bin", ["llama-3", "20240801"]
+
+
+def _case_unknown_magic(t: Path):
+    write_llmc(t / "u.bin", np.arange(100), magic=20250101)
+    return DataConfig(name="memmap", path=str(t / "u.bin")), 8, t / "u.bin", ["unknown magic 20250101"]
+
+
+def _case_llmc_truncated(t: Path):
+    write_llmc(t / "tr.bin", np.arange(50), count=100)
+    return DataConfig(name="memmap", path=str(t / "tr.bin")), 8, t / "tr.bin", ["says 100 tokens", "holds 50"]
+
+
+def _case_vocab(t: Path):
+    tok = np.arange(300, dtype=np.uint16)
+    tok.tofile(t / "big.bin")
+    return (DataConfig(name="memmap", path=str(t / "big.bin"), vocab_size=256), 8, t / "big.bin",
+            ["token id 299", "data.vocab_size=300"])
+
+
+def _case_no_train_bin(t: Path):
+    (t / "m").mkdir()
+    np.arange(100, dtype=np.uint16).tofile(t / "m" / "other.bin")
+    return (DataConfig(name="memmap", path=str(t / "m")), 8, t / "m",
+            ["without train.bin", "other.bin"])
+
+
+def _case_memmap_text_file(t: Path):
+    (t / "corpus.txt").write_text("hello " * 100)
+    return DataConfig(name="memmap", path=str(t / "corpus.txt")), 8, t / "corpus.txt", ["data=text"]
+
+
+def _case_unwritable_cache(t: Path):
+    (t / "afile").write_text("not a folder")
+    return (DataConfig(name="pysource", cache_dir=str(t / "afile")), 8, t / "afile",
+            ["cannot write the pysource cache", "data.cache_dir"])
+
+
+BAD_CASES: dict[str, Callable] = {
+    f.__name__.removeprefix("_case_"): f
+    for f in (
+        _case_text_missing, _case_memmap_missing, _case_empty_folder, _case_empty_text,
+        _case_empty_bin, _case_too_short, _case_val_too_short, _case_odd_bin,
+        _case_llmc_version, _case_llama3, _case_unknown_magic, _case_llmc_truncated,
+        _case_vocab, _case_no_train_bin, _case_memmap_text_file, _case_unwritable_cache,
+    )
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CASES))
+def test_bad_input_is_one_clear_line(case: str, tmp_path: Path) -> None:
+    cfg, seq_len, path, fragments = BAD_CASES[case](tmp_path)
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    with pytest.raises(ConfigError) as info:
+        build_datasets(cfg, seq_len, 0)
+    msg = str(info.value)
+    assert "\n" not in msg
+    assert str(path) in msg, msg
+    for fragment in fragments:
+        assert fragment in msg, msg
+    # nothing written beside the user's files (e.g. no half cache)
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+
+# --------------------------------------------------------------------------- text and loaders
+
+
+def test_text_reads_in_workers_like_in_process(tmp_path: Path) -> None:
+    root = tmp_path / "corpus"
+    (root / "sub").mkdir(parents=True)
+    rng = np.random.default_rng(2)
+    files = {"a.txt": 3000, "b.txt": 1, "sub/c.bin": 5000}  # tiny b: windows span files
+    for name, n in files.items():
+        (root / name).write_bytes(rng.integers(0, 256, n, dtype=np.uint8).tobytes())
+    (root / ".git").mkdir()
+    (root / ".git" / "HEAD").write_bytes(b"\xff" * 4000)  # hidden: must be skipped
+    b = build_datasets(DataConfig(name="text", path=str(root)), 32, 0)
+    assert b.vocab_size == 256
+    want = b"".join((root / n).read_bytes() for n in sorted(files))
+    n_train = len(want) - round(len(want) * 0.1)
+    got = stream(b.train).astype(np.uint8).tobytes()
+    assert got == want[: len(got)] and len(got) == len(b.train) * 32 + 1
+    assert stream(b.val).astype(np.uint8).tobytes() == want[n_train : n_train + len(b.val) * 32 + 1]
+
+    ref = batches(build_loader(b.train, dl(batch_size=4), device_type="cpu", shuffle=True, seed=7))
+    par = batches(build_loader(b.train, dl(batch_size=4, num_workers=2), device_type="cpu",
+                               shuffle=True, seed=7))
+    assert len(ref) == len(b.train) // 4 and len(par) == len(ref)
+    for (x0, y0), (x1, y1) in zip(ref, par, strict=True):
+        assert torch.equal(x0, x1) and torch.equal(y0, y1)
+
+
+def test_shuffled_order_is_independent_of_batch_size(arange_bin: Path) -> None:
+    b = build_datasets(DataConfig(name="memmap", path=str(arange_bin), vocab_size=2000), 8, 0)
+
+    def first_tokens(batch_size: int, seed: int, n: int, shuffle: bool = True) -> list[int]:
+        loader = build_loader(b.train, dl(batch_size=batch_size), device_type="cpu",
+                              shuffle=shuffle, seed=seed)
+        out: list[int] = []
+        for x, _ in loader:
+            out += x[:, 0].tolist()
+            if len(out) >= n:
+                break
+        return out[:n]
+
+    eight = first_tokens(8, seed=3, n=8)
+    twos = first_tokens(2, seed=3, n=8)
+    assert eight == twos
+    assert first_tokens(8, seed=3, n=8) == eight  # reproducible
+    assert first_tokens(8, seed=4, n=8) != eight  # and it is the seed that decides
+    assert eight != sorted(eight)
+    assert first_tokens(4, seed=3, n=8, shuffle=False) == [i * 8 for i in range(8)]
+
+
+def test_build_loader_options(arange_bin: Path) -> None:
+    b = build_datasets(DataConfig(name="memmap", path=str(arange_bin), vocab_size=2000), 8, 0)
+    cpu = build_loader(b.train, dl(pin_memory=True), device_type="cpu", shuffle=False, seed=0)
+    cuda = build_loader(b.train, dl(pin_memory=True), device_type="cuda", shuffle=False, seed=0)
+    assert cpu.pin_memory is False and cuda.pin_memory is True and cpu.drop_last
+    w = build_loader(b.train, dl(num_workers=2, prefetch_factor=5, persistent_workers=True),
+                     device_type="cpu", shuffle=True, seed=0)
+    assert w.prefetch_factor == 5 and w.persistent_workers and w.num_workers == 2
+    with pytest.raises(ConfigError, match=r"dataloader\.batch_size=500 .* 112 training sequences"):
+        build_loader(b.train, dl(batch_size=500), device_type="cpu", shuffle=True, seed=0)
+    # a validation set smaller than a batch gives no batch (the trainer warns), not an error
+    assert len(b.val) == 12
+    assert list(build_loader(b.val, dl(batch_size=500), device_type="cpu", shuffle=False, seed=0)) == []
+    # iterating never draws from torch's global RNG (evals must not perturb training)
+    torch.manual_seed(0)
+    expected = torch.rand(1)
+    torch.manual_seed(0)
+    next(iter(cpu))
+    assert torch.equal(torch.rand(1), expected)
+
+
+def test_memmap_dataset_pickles_without_its_array_and_works_in_spawn(arange_bin: Path) -> None:
+    b = build_datasets(DataConfig(name="memmap", path=str(arange_bin), vocab_size=2000), 8, 0)
+    first = b.train[3]  # opens the memmap in this process
+    blob = pickle.dumps(b.train)
+    assert len(blob) < 1000  # paths and numbers, not 2 KB of tokens
+    clone = pickle.loads(blob)
+    assert clone._mm is None and torch.equal(clone[3][0], first[0])
+    ref = [x for x, _ in DataLoader(b.train, batch_size=4)]
+    spawned = [x for x, _ in DataLoader(b.train, batch_size=4, num_workers=1,
+                                        multiprocessing_context="spawn")]
+    assert len(spawned) == len(ref) and all(torch.equal(a, c) for a, c in zip(ref, spawned, strict=True))
+
+
+# --------------------------------------------------------------------------- synthetic
+
+
+def test_synthetic_is_deterministic() -> None:
+    cfg = OmegaConf.structured(DataConfig(name="synthetic", vocab_size=1000))  # a DictConfig
+    a = build_datasets(cfg, 32, seed=5)
+    b = build_datasets(cfg, 32, seed=5)
+    c = build_datasets(cfg, 32, seed=6)
+    assert a.vocab_size == 1000 and len(a.train) == 1 << 20
+    x, y = a.train[12345]
+    assert torch.equal(x, b.train[12345][0]) and torch.equal(y, b.train[12345][1])
+    assert torch.equal(x[1:], y[:-1])
+    assert not torch.equal(x, c.train[12345][0])
+    assert not torch.equal(x, a.val[12345][0])  # val is another stream
+    assert int(x.min()) >= 0 and int(x.max()) < 1000
+    default = build_datasets(DataConfig(name="synthetic"), 16, seed=0)
+    assert default.vocab_size == 50257
+
+
+# --------------------------------------------------------------------------- pysource
+
+
+@pytest.fixture
+def fake_stdlib(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A small stand-in for the standard library, so cache mechanics test in milliseconds."""
+    lib = tmp_path / "lib"
+    for i in range(20):
+        (lib / "pkg").mkdir(parents=True, exist_ok=True)
+        (lib / "pkg" / f"mod{i:02d}.py").write_text(f"def f{i}():\n    return {i}\n" * 20)
+    (lib / "site-packages").mkdir()
+    (lib / "site-packages" / "third_party.py").write_text("THIRD_PARTY_MARKER = 1\n" * 50)
+    monkeypatch.setattr(D, "_stdlib_dir", lambda: lib)
+    return lib
+
+
+def test_pysource_split_excludes_site_packages_and_rebuilds_a_damaged_cache(
+    fake_stdlib: Path, tmp_path: Path
+) -> None:
+    cfg = DataConfig(cache_dir=str(tmp_path / "cache"), val_fraction=0.5)
+    b = build_datasets(cfg, 8, 0)
+    assert "built" in b.description
+    all_bytes = stream(b.train).astype(np.uint8).tobytes() + stream(b.val).astype(np.uint8).tobytes()
+    assert b"THIRD_PARTY_MARKER" not in all_bytes
+    rels = [r for r, _ in D._pysource_files(fake_stdlib)]
+    assert len(rels) == 20 and not any("site-packages" in r for r in rels)
+    val_rels = [r for r in rels if D._is_val(r, 0.5)]
+    assert 0 < len(val_rels) < 20
+    val_bytes = b"".join((fake_stdlib / r).read_bytes() for r in val_rels)
+    assert b.val.n_tokens == len(val_bytes)
+    # a damaged train.bin (e.g. copied halfway) is noticed and rebuilt, not trusted
+    train_bin = Path(b.train.path)
+    train_bin.write_bytes(train_bin.read_bytes()[:100])
+    again = build_datasets(cfg, 8, 0)
+    assert "built" in again.description and train_bin.stat().st_size == 2 * again.train.n_tokens
+
+
+def test_pysource_failed_write_leaves_no_cache(
+    fake_stdlib: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache = tmp_path / "cache"
+    cfg = DataConfig(cache_dir=str(cache), val_fraction=0.5)
+
+    def disk_full(fd: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(D.os, "fsync", disk_full)
+    with pytest.raises(ConfigError, match="No space left on device"):
+        build_datasets(cfg, 8, 0)
+    leftovers = [p for p in cache.rglob("*") if p.is_file()]
+    assert leftovers == []
+    monkeypatch.undo()
+    monkeypatch.setattr(D, "_stdlib_dir", lambda: fake_stdlib)
+    assert "built" in build_datasets(cfg, 8, 0).description
+
+
+def test_pysource_real_cache_is_built_once_and_decodes_to_source(tmp_path: Path) -> None:
+    cfg = DataConfig(cache_dir=str(tmp_path))
+    t0 = time.perf_counter()
+    b = build_datasets(cfg, 256, 0)
+    build_s = time.perf_counter() - t0
+    assert build_s < 15, f"pysource cache took {build_s:.1f} s"
+    train_bin = Path(b.train.path)
+    v = sys.version_info
+    assert f"py{v.major}.{v.minor}.{v.micro}" in train_bin.parent.name
+    mtimes = {p.name: p.stat().st_mtime_ns for p in train_bin.parent.iterdir()}
+    assert set(mtimes) == {"train.bin", "val.bin", "meta.json"}  # no temp files left
+    assert b.vocab_size == 256 and b.train.n_tokens > 1_000_000 and len(b.val) > 100
+
+    again = build_datasets(cfg, 256, 0)
+    assert "reused" in again.description
+    assert {p.name: p.stat().st_mtime_ns for p in train_bin.parent.iterdir()} == mtimes
+
+    stdlib = D._stdlib_dir()
+    first = next(r for r, _ in D._pysource_files(stdlib) if not D._is_val(r, cfg.val_fraction))
+    source = (stdlib / first).read_bytes()
+    tokens = np.memmap(train_bin, dtype=np.uint16, mode="r")
+    assert tokens[: len(source)].astype(np.uint8).tobytes() == source
+    compile(source, first, "exec")  # it is real Python source
+    decoded = b.train[0][0].numpy().astype(np.uint8).tobytes()
+    assert decoded == tokens[:256].astype(np.uint8).tobytes()  # the dataset reads the cache
