@@ -119,10 +119,10 @@ class TrainConfig:
     sdpa_backend: str = "auto"  # auto | flash | efficient | cudnn | math
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     seed: int = 1337
-    max_steps: int = 300
+    max_steps: int = 600
     timing_warmup_steps: int = 5  # steps kept out of the summary's speed figures
     log_every: int = 10
-    eval_every: int = 100  # 0: only at the end
+    eval_every: int = 200  # 0: only at the end
     eval_batches: int = 10
     progress: str = "auto"  # auto | bar | plain | off
     monitor: MonitorConfig = field(default_factory=MonitorConfig)

@@ -18,9 +18,9 @@ from perfrun.config import register_configs
 REPO = Path(__file__).resolve().parent.parent
 
 # A model small enough that a 30-step job takes about a second on 2 cores.
+TINY_MODEL = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=32"]
 TINY = [
-    "model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=32",
-    "dataloader.batch_size=4", "max_steps=30", "log_every=5", "eval_every=0", "eval_batches=2",
+    *TINY_MODEL, "dataloader.batch_size=4", "max_steps=30", "log_every=5", "eval_every=0", "eval_batches=2",
     "monitor.every_n_steps=0", "device=cpu", "progress=off", "optim.warmup_steps=5",
 ]
 

@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import os
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -70,6 +71,25 @@ class JsonlSink:
         if self._f is not None:
             self._f.close()
             self._f = None
+
+
+def log_handler(level: int = logging.NOTSET) -> logging.Handler:
+    """Hydra's console log handler (conf/hydra/job_logging/rich.yaml).
+
+    On a terminal: rich's handler on the shared console, so log lines print above the
+    live progress bar instead of through it. Otherwise (a pipe, a file, a batch job):
+    plain timestamped lines that are not wrapped at 80 columns.
+    """
+    from rich import get_console
+    from rich.logging import RichHandler
+
+    console = get_console()
+    if console.is_terminal:
+        return RichHandler(level=level, console=console, show_path=False, markup=False)
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setLevel(level)
+    handler.setFormatter(logging.Formatter("[%(asctime)s] %(message)s", datefmt="%H:%M:%S"))
+    return handler
 
 
 def _fmt_record(r: dict[str, Any]) -> str:

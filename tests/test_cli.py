@@ -1,0 +1,132 @@
+"""``perfrun`` as a user runs it: real subprocesses, real run directories."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, TINY_MODEL, run_cli
+
+
+def summaries(root: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(root.rglob("summary.json"))]
+
+
+def test_help_lists_the_commands(tmp_path: Path) -> None:
+    r = run_cli("--help", cwd=tmp_path)
+    assert r.returncode == 0
+    assert "train" in r.stdout and "gpu-check" in r.stdout
+    bad = run_cli("trian", cwd=tmp_path)
+    assert bad.returncode == 2 and "unknown command 'trian'" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_train_is_a_hydra_app(tmp_path: Path) -> None:
+    h = run_cli("train", "--help", cwd=tmp_path)
+    assert h.returncode == 0 and "precision: bf16, fp16, none" in h.stdout and "perfrun train" in h.stdout
+    c = run_cli("train", "--cfg", "job", "precision=bf16", "compile=true", cwd=tmp_path)
+    assert c.returncode == 0 and "dtype: bfloat16" in c.stdout and "compile: true" in c.stdout
+    i = run_cli("train", "--info", cwd=tmp_path)
+    assert i.returncode == 0 and "Config search path" in i.stdout
+    assert not (tmp_path / "outputs").exists()  # --help/--cfg/--info do no work
+
+
+def test_shell_completion_through_the_subcommand(tmp_path: Path) -> None:
+    install = run_cli("train", "-sc", "install=bash", cwd=tmp_path)
+    assert install.returncode == 0 and "complete" in install.stdout and "hydra_bash_completion" in install.stdout
+    env = {"COMP_LINE": "perfrun train precision=b", "COMP_POINT": "25"}
+    q = run_cli("-sc", "query=bash", cwd=tmp_path, env=env)
+    assert q.returncode == 0 and "precision=bf16" in q.stdout.split()
+    sub = run_cli("-sc", "query=bash", cwd=tmp_path, env={"COMP_LINE": "perfrun gp", "COMP_POINT": "10"})
+    assert sub.stdout.split() == ["gpu-check"]
+
+
+def test_plain_run_writes_its_run_dir(tmp_path: Path) -> None:
+    r = run_cli("train", "device=cpu", "max_steps=50", *TINY_MODEL, "log_every=10", "eval_batches=2", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    (run_dir,) = [p.parent for p in (tmp_path / "outputs").rglob("summary.json")]
+    s = json.loads((run_dir / "summary.json").read_text())
+    assert s["status"] == "completed" and s["steps"] == 50
+    assert (run_dir / ".hydra" / "config.yaml").is_file() and (run_dir / "train.log").is_file()
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    assert sum(json.loads(line)["kind"] == "train" for line in lines) == 5
+    assert "step 50/50" in r.stdout and "tok/s" in r.stdout  # plain lines when not a terminal
+
+
+def test_gpt2_with_checkpointing_and_accumulation(tmp_path: Path) -> None:
+    r = run_cli("train", "model=gpt2", "checkpointing=full", "accumulation.steps=4", "device=cpu",
+                "max_steps=1", "data.seq_len=32", "dataloader.batch_size=1", "eval_batches=1",
+                "monitor.every_n_steps=0", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    (s,) = summaries(tmp_path)
+    assert s["knobs"]["checkpointed_blocks"] == 12 and s["knobs"]["accumulation_steps"] == 4
+    assert s["params"] > 80e6
+
+
+def test_multirun_sweep_and_clean_state_between_jobs(tmp_path: Path) -> None:
+    r = run_cli("train", "-m", "dataloader.batch_size=2,4", "dataloader.num_workers=0,2", "cudnn_benchmark=true",
+                *TINY_MODEL, "max_steps=6", "eval_batches=2", "log_every=3", "device=cpu", "progress=off", "monitor.every_n_steps=0",
+                cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    jobs = summaries(tmp_path / "outputs")
+    assert len(jobs) == 4 and all(j["status"] == "completed" for j in jobs)
+    assert sorted((j["config"]["dataloader"]["batch_size"], j["config"]["dataloader"]["num_workers"]) for j in jobs) == [
+        (2, 0), (2, 2), (4, 0), (4, 2)]
+    first = jobs[0]["global_state_at_start"]
+    for j in jobs:  # each job starts as the first did, though every job turned cudnn.benchmark on
+        assert j["global_state_at_start"] == first
+        assert j["global_state_after"] == first
+        assert j["knobs"]["cudnn_benchmark"] is True
+
+
+@pytest.mark.parametrize(
+    "args, rc, words",
+    [
+        (["precision=bf17"], 1, "Could not find 'precision/bf17'"),
+        (["dataloader.batch_size=abc"], 1, "dataloader.batch_size=abc"),
+        (["nosuchkey=1"], 1, "nosuchkey"),
+        (["dataloader.batch_size=0"], 2, "dataloader.batch_size=0 must be >= 1"),
+        (["dataloader.prefetch_factor=2"], 2, "dataloader.num_workers=0"),
+        (["data.seq_len=2048"], 2, "longer than model.block_size=256"),
+        (["device=cuda:3"], 2, "device=cuda:3"),
+    ],
+)
+def test_bad_input_one_clear_message(tmp_path: Path, args: list[str], rc: int, words: str) -> None:
+    r = run_cli("train", *args, cwd=tmp_path)
+    assert r.returncode == rc
+    assert words in r.stderr
+    assert "Traceback" not in r.stderr + r.stdout
+    if rc == 2:
+        errors = [line for line in r.stderr.splitlines() if line.strip()]
+        assert len(errors) == 1 and errors[0].startswith("perfrun: error:")
+        (s,) = summaries(tmp_path / "outputs")
+        assert s["status"] == "failed" and words in s["reason"]
+
+
+def test_wheel_ships_the_config_and_runs_from_anywhere(tmp_path: Path) -> None:
+    """A plain (non-editable) install carries conf/ inside the package."""
+    wheels = tmp_path / "wheels"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(wheels), str(REPO)],
+                   check=True, capture_output=True, timeout=300)
+    (wheel,) = wheels.glob("perfrun-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "perfrun/conf/train.yaml" in names and "perfrun/conf/precision/bf16.yaml" in names
+    assert "perfrun/conf/hydra/job_logging/rich.yaml" in names
+    site = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), str(wheel)],
+                   check=True, capture_output=True, timeout=300)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    r = subprocess.run([sys.executable, "-m", "perfrun", "train", "--cfg", "job", "model=gpt2"], cwd=elsewhere,
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "n_layer: 12" in r.stdout
+    where = subprocess.run([sys.executable, "-c", "import perfrun.cli as c; print(c.config_dir())"], cwd=elsewhere,
+                           env=env, capture_output=True, text=True, timeout=60)
+    assert where.stdout.strip().startswith(str(site))
