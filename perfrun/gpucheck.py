@@ -568,8 +568,6 @@ def compiler_facts() -> dict[str, Any]:
 
 
 def software_facts(nvml: Any) -> dict[str, Any]:
-    import hydra
-    import omegaconf
     import torch
 
     cuda_driver = None
@@ -586,8 +584,8 @@ def software_facts(nvml: Any) -> dict[str, Any]:
         "nccl": ".".join(map(str, nccl)) if isinstance(nccl, tuple) else (str(nccl) if nccl else None),
         "driver": driver.decode() if isinstance(driver, bytes) else driver,
         "cuda_driver": cuda_driver,
-        "hydra": hydra.__version__,
-        "omegaconf": omegaconf.__version__,
+        "hydra": _dist_version("hydra-core"),
+        "omegaconf": _dist_version("omegaconf"),
         "nvidia_ml_py": _dist_version("nvidia-ml-py"),
         "pynvml": pynvml_provenance(),
         "compilers": compiler_facts(),

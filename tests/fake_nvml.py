@@ -132,11 +132,12 @@ class FakeGpu:
     pcie_tx_kbs: Any = 1000
     pcie_rx_kbs: Any = 2000
     mig: Any = (0, 0)
-    processes: Any = field(default_factory=list)  # list of (pid, used bytes)
+    processes: Any = field(default_factory=list)  # list of (pid, used bytes), not a per-call sequence
     mig_slices: list[FakeGpu] = field(default_factory=list)  # shown when mig == (1, ...)
     calls: dict[str, int] = field(default_factory=dict)
 
-    def value(self, attr: str) -> Any:
+    def value(self, attr: str, *, sequence: bool = True) -> Any:
+        """The scripted value; ``sequence=False`` for fields whose value is itself a list."""
         self.calls[attr] = self.calls.get(attr, 0) + 1
         v = getattr(self, attr)
         if isinstance(v, type) and issubclass(v, BaseException):
@@ -145,7 +146,7 @@ class FakeGpu:
             raise v
         if callable(v):
             return v()
-        if isinstance(v, list):
+        if sequence and isinstance(v, list):
             i = self.calls[attr] - 1
             return v[min(i, len(v) - 1)]
         return v
@@ -295,7 +296,7 @@ class FakeNvml:
 
     def nvmlDeviceGetComputeRunningProcesses(self, handle: Any) -> list[Any]:
         g = self._gpu(handle)
-        return [SimpleNamespace(pid=pid, usedGpuMemory=used) for pid, used in g.value("processes")]
+        return [SimpleNamespace(pid=pid, usedGpuMemory=used) for pid, used in g.value("processes", sequence=False)]
 
 
 #: Public names the fake shares with pynvml (the drift test compares these).
