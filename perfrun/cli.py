@@ -16,6 +16,8 @@ from pathlib import Path
 COMMANDS = {
     "train": "train a GPT with the knobs you choose (a Hydra app: perfrun train --help)",
     "gpu-check": "diagnose this machine and measure what it can do",
+    "report": "the table and plot of runs or sweeps, after the fact (perfrun report PATH...)",
+    "tune": "search batch size, checkpointing, compile and workers for the highest tokens/s",
 }
 _FAILED_JOBS: list[str] = []
 
@@ -128,6 +130,14 @@ def main(argv: list[str] | None = None) -> int:
         from perfrun.gpucheck import main as gpucheck_main
 
         return gpucheck_main(rest)
+    if command == "report":
+        from perfrun.report import main as report_main
+
+        return report_main(rest)
+    if command == "tune":
+        from perfrun.tune import main as tune_main
+
+        return tune_main(rest)
     _error(f"unknown command {command!r}; the commands are {', '.join(COMMANDS)} (perfrun --help)")
     return 2
 
