@@ -64,6 +64,7 @@ def train_main(args: list[str]) -> int:
     from omegaconf import DictConfig
 
     from perfrun.config import ConfigError, register_configs
+    from perfrun.guards import Interrupted
     from perfrun.train import RunFailed, run
 
     register_configs()
@@ -81,6 +82,9 @@ def train_main(args: list[str]) -> int:
                 _FAILED_JOBS.append(f"job {hc.job.num} ({' '.join(overrides)}): {e}")
                 return
             raise SystemExit(2 if isinstance(e, ConfigError) else 1) from None
+        except Interrupted as e:
+            _error(str(e))
+            raise SystemExit(e.exit_code) from None  # a stop request ends the sweep too
 
     saved = sys.argv
     sys.argv = ["perfrun"] + args

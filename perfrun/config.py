@@ -104,6 +104,21 @@ class MfuConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """Training-state checkpoints (not to be confused with activation ``checkpointing``)."""
+
+    every_n_steps: int = 0  # 0: only at the end (and on a graceful stop)
+    at_end: bool = True
+    keep_last: int = 2
+    dir: str | None = None  # None: <run dir>/checkpoints
+
+
+@dataclass
+class GuardConfig:
+    max_bad_steps: int = 3  # stop after this many consecutive non-finite steps
+
+
+@dataclass
 class TrainConfig:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
@@ -127,6 +142,9 @@ class TrainConfig:
     progress: str = "auto"  # auto | bar | plain | off
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     mfu: MfuConfig = field(default_factory=MfuConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    resume: str | None = None  # auto | a checkpoint file or folder | null
+    guard: GuardConfig = field(default_factory=GuardConfig)
 
 
 def register_configs() -> None:
@@ -184,6 +202,9 @@ def validate(cfg: Any) -> None:
     at_least("monitor.every_n_steps", 0)
     at_least("optim.warmup_steps", 0)
     at_least("checkpointing.every_k", 0)
+    at_least("checkpoint.every_n_steps", 0)
+    at_least("checkpoint.keep_last", 1)
+    at_least("guard.max_bad_steps", 1)
 
     dl = cfg.dataloader
     if dl.prefetch_factor is not None:

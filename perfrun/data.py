@@ -26,18 +26,19 @@ import contextlib
 import hashlib
 import json
 import os
+import signal
 import sys
 import sysconfig
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, RandomSampler, SequentialSampler
+from torch.utils.data import DataLoader, Dataset, Sampler, SequentialSampler
 
 from perfrun.config import ConfigError
 
@@ -45,6 +46,7 @@ __all__ = [
     "DataBundle",
     "build_datasets",
     "build_loader",
+    "ResumableSampler",
     "MemmapTokens",
     "TextBytes",
     "SyntheticTokens",
@@ -638,12 +640,44 @@ def build_datasets(data_cfg: Any, seq_len: int, seed: int) -> DataBundle:
     raise ConfigError(f"data.name={name} is not an option; choose one of pysource, text, memmap, synthetic")
 
 
+class ResumableSampler(Sampler[int]):
+    """A seeded shuffle that can start anywhere: epoch ``e`` is the permutation drawn from
+    ``seed + e`` alone, and iteration starts at ``start`` within it.
+
+    This is what makes resume exact: the trainer records (epoch, samples consumed) and a
+    resumed run rebuilds the same order from there, without replaying earlier epochs.
+    """
+
+    def __init__(self, n: int, seed: int) -> None:
+        self.n = n
+        self.seed = seed
+        self.epoch = 0
+        self.start = 0
+
+    def set_position(self, epoch: int, start: int = 0) -> None:
+        self.epoch, self.start = epoch, start
+
+    def __iter__(self) -> Iterator[int]:
+        g = torch.Generator().manual_seed(self.seed + self.epoch)
+        order = torch.randperm(self.n, generator=g)[self.start:]
+        return iter(order.tolist())
+
+    def __len__(self) -> int:
+        return self.n - self.start
+
+
+def _worker_init(worker_id: int) -> None:
+    """Workers ignore SIGINT: Ctrl-C reaches the whole process group, and the trainer (not
+    its workers) decides how to stop; a worker killed by it would break the last step."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def build_loader(
     dataset: Dataset, dl_cfg: Any, *, device_type: str, shuffle: bool, seed: int
 ) -> DataLoader:
     """A DataLoader whose order depends on ``seed`` only (not on batch size or workers).
 
-    ``shuffle=True`` draws one seeded permutation per epoch and ``drop_last`` cuts it into
+    ``shuffle=True`` draws one seeded permutation per epoch (:class:`ResumableSampler`) and ``drop_last`` cuts it into
     batches, so batch 8 is exactly four consecutive batches of 2. The loader also gets its
     own generator for the workers' base seed, so creating an iterator (e.g. for each eval)
     never draws from torch's global RNG and cannot perturb training randomness.
@@ -662,8 +696,7 @@ def build_loader(
         )
     workers = int(dl_cfg.num_workers)
     sampler = (
-        RandomSampler(dataset, generator=torch.Generator().manual_seed(int(seed)))
-        if shuffle else SequentialSampler(dataset)
+        ResumableSampler(n, int(seed)) if shuffle else SequentialSampler(dataset)
     )
     kwargs: dict[str, Any] = {}
     if workers > 0:
@@ -678,5 +711,6 @@ def build_loader(
         pin_memory=bool(dl_cfg.pin_memory) and device_type == "cuda",
         drop_last=True,
         generator=torch.Generator().manual_seed(int(seed) + 1),
+        worker_init_fn=_worker_init if workers > 0 else None,
         **kwargs,
     )

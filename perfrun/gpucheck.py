@@ -894,6 +894,7 @@ def gather(device_index: int | None, *, quick: bool, nvml_module: Any = None) ->
                         base = {**nvml_facts[parent.uuid], **{k: v for k, v in base.items() if v is not None}}
                 merged = {**base, **{k: v for k, v in facts.items() if v is not None}}
                 merged["name"] = facts["name"]
+                merged["uuid"] = base.get("uuid") or facts["uuid"]  # NVML's GPU-... form, as nvidia-smi prints it
                 gpus.append(merged)
             else:
                 gpus.append({**facts, "nvml": False, "nvml_error": session.error or "no NVML device with this UUID"})
@@ -927,6 +928,7 @@ _STYLE = {OK: "green", WARN: "yellow", FAIL: "bold red", SKIP: "dim"}
 
 
 def render(report: dict[str, Any], checks: list[Check], console: Any) -> None:
+    from rich.markup import escape
     from rich.table import Table
 
     sections: dict[str, list[Check]] = {}
@@ -938,7 +940,7 @@ def render(report: dict[str, Any], checks: list[Check], console: Any) -> None:
         table.add_column("status", no_wrap=True)
         table.add_column("detail", overflow="fold")
         for c in items:
-            table.add_row(c.name, f"[{_STYLE[c.status]}]{c.status}[/]", c.detail)
+            table.add_row(escape(c.name), f"[{_STYLE[c.status]}]{c.status}[/]", escape(c.detail))
         console.print(table)
         console.print()
     fixes = [c for c in checks if c.status in (WARN, FAIL)]
@@ -948,7 +950,7 @@ def render(report: dict[str, Any], checks: list[Check], console: Any) -> None:
         table.add_column("check", no_wrap=True, style="bold")
         table.add_column("fix", overflow="fold")
         for c in fixes:
-            table.add_row(f"[{_STYLE[c.status]}]{c.status}[/]", f"{c.section}: {c.name}", c.fix or "")
+            table.add_row(f"[{_STYLE[c.status]}]{c.status}[/]", escape(f"{c.section}: {c.name}"), escape(c.fix or ""))
         console.print(table)
         console.print()
     n = counts(checks)

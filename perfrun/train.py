@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import logging
 import random
+import signal
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -21,9 +22,12 @@ import psutil
 import torch
 from omegaconf import OmegaConf
 
+from perfrun import checkpoint
+from perfrun.checkpoint import capture_rng, restore_rng
 from perfrun.config import ConfigError, validate
 from perfrun.data import build_datasets, build_loader
 from perfrun.environment import device_name, environment, global_state, rank_info
+from perfrun.guards import Diverged, GracefulStop, Interrupted, NonFiniteGuard
 from perfrun.knobs import Plan, apply_knobs
 from perfrun.model import GPT, GPTConfig, padded_vocab
 from perfrun.optim import build_optimizer, build_scheduler
@@ -100,20 +104,32 @@ def mfu_dtype(cfg: Any, device: torch.device) -> str:
 
 
 class BatchStream:
-    """Endless batches: a new epoch (a new shuffled order) when the loader runs out."""
+    """Endless batches from a resumable position: (epoch, samples consumed in it).
 
-    def __init__(self, loader: torch.utils.data.DataLoader) -> None:
+    The position counts what the loop took, not what workers prefetched, so a checkpoint
+    taken between steps resumes on exactly the next batch.
+    """
+
+    def __init__(self, loader: torch.utils.data.DataLoader, epoch: int = 0, consumed: int = 0) -> None:
         self.loader = loader
-        self.epoch = 0
+        self.batch_size = int(loader.batch_size)
+        self.epoch, self.consumed = epoch, consumed
+        loader.sampler.set_position(epoch, consumed)
         self._it = iter(loader)
 
     def next(self) -> Any:
         try:
-            return next(self._it)
+            batch = next(self._it)
         except StopIteration:
-            self.epoch += 1
+            self.epoch, self.consumed = self.epoch + 1, 0
+            self.loader.sampler.set_position(self.epoch, 0)
             self._it = iter(self.loader)
-            return next(self._it)
+            batch = next(self._it)
+        self.consumed += self.batch_size
+        return batch
+
+    def position(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "consumed": self.consumed}
 
 
 class MemoryTracker:
@@ -236,152 +252,223 @@ def _oom_message(cfg: Any, device: torch.device) -> str:
     )
 
 
-def train_loop(cfg: Any, s: Setup, sink: JsonlSink, reporter: ConsoleReporter, monitor: Any) -> dict[str, Any]:
-    """Run max_steps optimizer steps; return the figures for summary.json."""
+@dataclass
+class Start:
+    """Where the loop starts: step 0 for a fresh run, the checkpoint's step on resume."""
+
+    step: int = 0
+    epoch: int = 0
+    consumed: int = 0
+    tokens: int = 0
+    checkpoint: str | None = None
+
+
+def restore(s: Setup, ckpt: dict[str, Any]) -> Start:
+    """Load a checkpoint's state into the freshly built model, optimizer and schedule."""
+    s.plan.raw_model.load_state_dict(ckpt["model"])
+    s.optimizer.load_state_dict(ckpt["optimizer"])
+    s.scheduler.load_state_dict(ckpt["scheduler"])
+    if s.plan.scaler is not None and ckpt.get("scaler"):
+        s.plan.scaler.load_state_dict(ckpt["scaler"])
+    restore_rng(ckpt["rng"])
+    data = ckpt["data"]
+    return Start(step=int(ckpt["step"]), epoch=int(data["epoch"]), consumed=int(data["consumed"]),
+                 tokens=int(ckpt.get("tokens", 0)))
+
+
+def model_shape(s: Setup) -> dict[str, int]:
+    c = s.plan.raw_model.config
+    return {"n_layer": c.n_layer, "n_head": c.n_head, "n_embd": c.n_embd, "block_size": c.block_size,
+            "vocab_size": c.vocab_size}
+
+
+def train_loop(cfg: Any, s: Setup, sink: JsonlSink, reporter: ConsoleReporter, monitor: Any,
+               start: Start, ckpt_dir: Path | None, stop: GracefulStop) -> dict[str, Any]:
+    """Run optimizer steps start.step+1 .. max_steps; return the figures for summary.json.
+
+    Ends early, with the figures so far, on a signal (``interrupted_by``) or when the
+    guard sees the run diverge (``failure``).
+    """
     plan, device = s.plan, s.device
     model, opt, sched, scaler = plan.model, s.optimizer, s.scheduler, plan.scaler
     params = [p for p in plan.raw_model.parameters() if p.requires_grad]
-    clip = cfg.optim.grad_clip
+    clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
     micro = plan.micro_steps
-    stream = BatchStream(s.train_loader)
+    stream = BatchStream(s.train_loader, start.epoch, start.consumed)
     timer = StepTimer(device)
     memory = MemoryTracker(device)
+    guard = NonFiniteGuard(device, cfg.guard.max_bad_steps, scaler_skips=scaler is not None)
     tp = s.throughput
     warm = cfg.timing_warmup_steps
 
-    host_wall: list[float] = []
+    host_wall: list[float] = []  # per step of this process, index = step - start.step - 1
     data_wait: list[float] = []
     loss_sum = torch.zeros((), device=device)
-    grad_norm = torch.zeros((), device=device)
-    interval_start_step, interval_time, interval_tokens = 0, 0.0, 0
-    total_time, total_tokens = 0.0, 0
+    i0 = 0  # local index where the current log interval starts
+    total_time, total_tokens = 0.0, start.tokens
     last_train_loss: float | None = None
     last_val: float | None = None
     first_step_s: float | None = None
-    eval_time = 0.0
-    records = 0
+    eval_time = ckpt_time = 0.0
+    saved: list[str] = []
+    interrupted_by: int | None = None
+    failure: str | None = None
+
+    def save_checkpoint(step: int) -> None:
+        nonlocal ckpt_time
+        if ckpt_dir is None:
+            return
+        guard.flush()
+        if guard.streak:
+            log.warning(f"step {step}: not saving a checkpoint of a non-finite state; the last good one stays")
+            return
+        timer.flush()
+        t = time.perf_counter()
+        state = {
+            "model": plan.raw_model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+            "scaler": scaler.state_dict() if scaler is not None else None, "rng": capture_rng(),
+            "data": stream.position(), "tokens": total_tokens, "model_shape": model_shape(s),
+            "config": OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(cfg),
+        }
+        path = checkpoint.save(ckpt_dir, step, state, cfg.checkpoint.keep_last)
+        saved.append(str(path))
+        ckpt_time += time.perf_counter() - t
+        sink.write({"kind": "checkpoint", "step": step, "path": str(path), "save_s": time.perf_counter() - t})
+        timer.start()  # saving stays out of the step times
 
     model.train()
     t_loop = time.perf_counter()
     timer.start()
-    for step in range(1, cfg.max_steps + 1):
-        t0 = time.perf_counter()
-        wait = 0.0
-        for _ in range(micro):
-            tw = time.perf_counter()
-            x, y = stream.next()
-            wait += time.perf_counter() - tw
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            with plan.forward_context():
-                _, loss = model(x, y)
-                loss = loss / micro
+    step = start.step
+    try:
+        for step in range(start.step + 1, cfg.max_steps + 1):
+            t0 = time.perf_counter()
+            wait = 0.0
+            step_loss = torch.zeros((), device=device)
+            for _ in range(micro):
+                tw = time.perf_counter()
+                x, y = stream.next()
+                wait += time.perf_counter() - tw
+                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                with plan.forward_context():
+                    _, loss = model(x, y)
+                    loss = loss / micro
+                if scaler is not None:
+                    scaler.scale(loss).backward()
+                else:
+                    loss.backward()
+                step_loss += loss.detach()
             if scaler is not None:
-                scaler.scale(loss).backward()
+                scaler.unscale_(opt)
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)
+            if scaler is not None:
+                scaler.step(opt)
+                scaler.update()
             else:
-                loss.backward()
-            loss_sum += loss.detach()
-        if scaler is not None:
-            scaler.unscale_(opt)
-        if clip > 0 or step % cfg.log_every == 0:
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
-        if scaler is not None:
-            scaler.step(opt)
-            scaler.update()
-        else:
-            opt.step()
-        opt.zero_grad(set_to_none=True)
-        sched.step()
-        timer.step_end()
-        host_wall.append(time.perf_counter() - t0)
-        data_wait.append(wait)
-        if step == 1:
-            timer.flush()
-            first_step_s = time.perf_counter() - t_loop
-        reporter.advance(step)
+                opt.step()
+            opt.zero_grad(set_to_none=True)
+            sched.step()
+            timer.step_end()
+            loss_sum += step_loss
+            guard.record(step, step_loss, grad_norm)
+            host_wall.append(time.perf_counter() - t0)
+            data_wait.append(wait)
+            done = len(host_wall)
+            if done == 1:
+                timer.flush()
+                first_step_s = time.perf_counter() - t_loop
+            reporter.advance(step)
 
-        if step % cfg.log_every == 0 or step == cfg.max_steps:
-            timer.flush()
-            n = step - interval_start_step
-            durations = timer.durations[interval_start_step:step]
-            interval_time = sum(durations)
-            interval_tokens = n * tp.tokens_per_step
-            total_time += interval_time
-            total_tokens += interval_tokens
-            tps = tp.tokens_per_s(interval_time, n)
-            last_train_loss = loss_sum.item() / n
-            wall = sum(host_wall[interval_start_step:step])
-            record = {
-                "kind": "train", "step": step, "max_steps": cfg.max_steps, "loss": last_train_loss,
-                "lr": sched.get_last_lr()[0],
-                "grad_norm": grad_norm.item() if (clip > 0 or step % cfg.log_every == 0) else None,
-                "step_time_ms": 1000 * interval_time / n, "tokens_per_s": tps, "mfu": tp.mfu(tps),
-                "data_wait_pct": 100 * sum(data_wait[interval_start_step:step]) / wall if wall > 0 else 0.0,
-                "peak_mem_mib": memory.peak_mib(), "interval_steps": n, "interval_tokens": interval_tokens,
-                "interval_s": interval_time, "tokens": total_tokens, "elapsed_s": time.perf_counter() - t_loop,
-            }
-            if scaler is not None:
-                record["loss_scale"] = scaler.get_scale()
-            if not np.isfinite(last_train_loss):
-                record["nonfinite"] = True
-            sink.write(record)
-            reporter.train(record)
-            records += 1
-            loss_sum.zero_()
-            interval_start_step = step
+            if step % cfg.log_every == 0 or step == cfg.max_steps or stop.requested:
+                timer.flush()
+                n = done - i0
+                interval_time = sum(timer.durations[i0:done])
+                interval_tokens = n * tp.tokens_per_step
+                total_time += interval_time
+                total_tokens += interval_tokens
+                tps = tp.tokens_per_s(interval_time, n)
+                last_train_loss = loss_sum.item() / n
+                wall = sum(host_wall[i0:done])
+                record = {
+                    "kind": "train", "step": step, "max_steps": cfg.max_steps, "loss": last_train_loss,
+                    "lr": sched.get_last_lr()[0], "grad_norm": grad_norm.item(),
+                    "step_time_ms": 1000 * interval_time / n, "tokens_per_s": tps, "mfu": tp.mfu(tps),
+                    "data_wait_pct": 100 * sum(data_wait[i0:done]) / wall if wall > 0 else 0.0,
+                    "peak_mem_mib": memory.peak_mib(), "interval_steps": n, "interval_tokens": interval_tokens,
+                    "interval_s": interval_time, "tokens": total_tokens, "elapsed_s": time.perf_counter() - t_loop,
+                }
+                if scaler is not None:
+                    record["loss_scale"] = scaler.get_scale()
+                sink.write(record)
+                reporter.train(record)
+                loss_sum.zero_()
+                i0 = done
 
-        if monitor is not None and step % cfg.monitor.every_n_steps == 0:
-            stats = monitor.collect(step, tp_step_time(timer, step, cfg.monitor.every_n_steps))
-            sink.write({"kind": "monitor", "step": step, **stats})
+            if monitor is not None and step % cfg.monitor.every_n_steps == 0:
+                timer.flush()
+                recent = timer.durations[max(0, done - cfg.monitor.every_n_steps):done]
+                stats = monitor.collect(step, sum(recent) / len(recent) if recent else None)
+                sink.write({"kind": "monitor", "step": step, **stats})
 
-        if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.max_steps:
-            timer.flush()
-            te = time.perf_counter()
-            last_val = evaluate(s, cfg.eval_batches)
-            eval_time += time.perf_counter() - te
-            sink.write({"kind": "eval", "step": step, "val_loss": last_val})
-            if last_val is not None:
-                reporter.line(f"step {step}: val loss {last_val:.4f}")
-            timer.start()  # eval time stays out of the step times
+            if stop.requested:
+                interrupted_by = stop.signum
+                save_checkpoint(step)
+                break
+            if cfg.checkpoint.every_n_steps and step % cfg.checkpoint.every_n_steps == 0 and step != cfg.max_steps:
+                save_checkpoint(step)
+            if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.max_steps:
+                timer.flush()
+                te = time.perf_counter()
+                last_val = evaluate(s, cfg.eval_batches)
+                eval_time += time.perf_counter() - te
+                sink.write({"kind": "eval", "step": step, "val_loss": last_val})
+                if last_val is not None:
+                    reporter.line(f"step {step}: val loss {last_val:.4f}")
+                timer.start()  # eval time stays out of the step times
+        guard.flush()
+        if interrupted_by is None and cfg.checkpoint.at_end:
+            save_checkpoint(step)
+    except Diverged as e:
+        failure = str(e) + (f"; the last good checkpoint is {saved[-1]}" if saved else "")
 
-    steady = timer.durations[warm:] if len(timer.durations) > warm else []
+    timer.flush()
+    steady = timer.durations[warm:]
     steady_wall = host_wall[warm:]
     med = median(steady)
     tps_median = tp.tokens_per_step / med if med else None
-    steady_time = sum(steady)
     return {
-        "steps": cfg.max_steps,
+        "steps": step,
+        "start_step": start.step,
         "tokens": total_tokens,
         "train_time_s": total_time,
         "eval_time_s": eval_time,
+        "checkpoint_time_s": ckpt_time,
         "first_step_s": first_step_s,
         "step_time_ms_median": 1000 * med if med else None,
         "steady_steps": len(steady),
         "tokens_per_s_median": tps_median,
-        "tokens_per_s_mean": tp.tokens_per_s(steady_time, len(steady)) if steady else None,
+        "tokens_per_s_mean": tp.tokens_per_s(sum(steady), len(steady)) if steady else None,
         "mfu_median": tp.mfu(tps_median) if tps_median else None,
         "peak_mem_mib": memory.peak_mib(),
         "peak_mem_source": memory.source,
-        "data_wait_pct": 100 * sum(data_wait[warm:]) / sum(steady_wall) if steady_wall else None,
+        "data_wait_pct": 100 * sum(data_wait[warm:]) / sum(steady_wall) if steady_wall and sum(steady_wall) > 0 else None,
         "compile_s_estimate": (first_step_s - med) if (cfg.compile and first_step_s and med) else None,
         "final_train_loss": last_train_loss,
         "final_val_loss": last_val,
-        "epochs_started": stream.epoch + 1,
-        "records": records,
+        "data_position": stream.position(),
+        "checkpoints": saved,
+        "guard": guard.summary(),
+        "interrupted_by": interrupted_by,
+        "failure": failure,
     }
-
-
-def tp_step_time(timer: StepTimer, step: int, n: int) -> float | None:
-    """Mean measured step time over the last ``n`` steps (for linking throttling to slow steps)."""
-    timer.flush()
-    recent = timer.durations[max(0, step - n):step]
-    return sum(recent) / len(recent) if recent else None
 
 
 def run(cfg: Any, run_dir: Path | None, *, overrides: list[str] | None = None) -> dict[str, Any]:
     """One training job. Writes metrics.jsonl and summary.json into ``run_dir`` (rank 0).
 
-    Raises ConfigError or RunFailed, after writing a ``failed`` summary, for what the user
-    can fix; the caller turns them into one line and an exit code.
+    Raises ConfigError or RunFailed (after writing a ``failed`` summary) for what the user
+    can fix, and Interrupted (after an ``interrupted`` summary and a checkpoint) on
+    SIGINT/SIGTERM; the caller turns them into one line and an exit code.
     """
     rank, world = rank_info()
     main = rank == 0
@@ -392,11 +479,28 @@ def run(cfg: Any, run_dir: Path | None, *, overrides: list[str] | None = None) -
     monitor = None
     device: torch.device | None = None
     try:
-        with ExitStack() as stack:
+        with ExitStack() as stack, GracefulStop() as stop:
             s = setup(cfg, stack)
             device = s.device
             summary.update(s.notes)
             summary["environment"] = environment(device)
+            ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else (run_dir / "checkpoints" if run_dir else None)
+            start = Start()
+            if cfg.resume:
+                path = checkpoint.resolve(str(cfg.resume), run_dir, ckpt_dir)
+                if path is None:
+                    log.warning("resume=auto: no checkpoint found under this run's outputs; starting from step 0")
+                else:
+                    ckpt = checkpoint.load(path)
+                    checkpoint.check_shape(ckpt, model_shape(s), path)
+                    start = restore(s, ckpt)
+                    start.checkpoint = str(path)
+                    del ckpt
+                    log.info(f"resumed from {path} at step {start.step}")
+                    if start.step >= cfg.max_steps:
+                        raise ConfigError(f"resume={path} is at step {start.step}, already at max_steps={cfg.max_steps}; "
+                                          f"raise max_steps to train further")
+            summary["resumed_from"] = start.checkpoint
             summary["setup_s"] = time.perf_counter() - t_start
             if cfg.monitor.every_n_steps > 0:
                 from perfrun.telemetry.monitor import Monitor
@@ -405,20 +509,34 @@ def run(cfg: Any, run_dir: Path | None, *, overrides: list[str] | None = None) -
                 monitor.start()
             with ConsoleReporter(cfg.progress, cfg.max_steps, enabled=main) as reporter:
                 try:
-                    figures = train_loop(cfg, s, sink, reporter, monitor)
+                    figures = train_loop(cfg, s, sink, reporter, monitor, start, ckpt_dir, stop)
                 except torch.OutOfMemoryError:
                     raise RunFailed(_oom_message(cfg, device)) from None
+                except checkpoint.CheckpointWriteError as e:
+                    raise RunFailed(str(e)) from None
             summary.update(figures)
             if monitor is not None:
                 monitor.close()
-                summary["monitor"] = monitor.summary(figures["tokens"])
-            summary["status"] = "completed"
+                summary["monitor"] = monitor.summary(figures["tokens"] - start.tokens)
             del s
+        if figures["failure"]:
+            raise RunFailed(figures["failure"])
+        if figures["interrupted_by"] is not None:
+            signum = figures["interrupted_by"]
+            where = figures["checkpoints"][-1] if figures["checkpoints"] else "no checkpoint (no run dir)"
+            summary["status"] = "interrupted"
+            summary["reason"] = f"{signal.Signals(signum).name} at step {figures['steps']}; saved {where}"
+            raise Interrupted(signum, f"stopped by {summary['reason']}; continue with resume=auto or resume={where}")
+        summary["status"] = "completed"
         return summary
     except (ConfigError, RunFailed) as e:
         summary["status"] = "failed"
         summary["reason"] = str(e)
         raise
+    except KeyboardInterrupt:
+        summary["status"] = "interrupted"
+        summary["reason"] = "stopped at once by a second SIGINT; the current step was not saved"
+        raise Interrupted(signal.SIGINT, summary["reason"]) from None
     finally:
         if monitor is not None:
             monitor.close()

@@ -244,6 +244,7 @@ def test_render_lists_fixes_and_verdict():
     gc.render({"gather_s": 1.0}, checks, Console(file=buf, width=200, color_system=None))
     out = buf.getvalue()
     assert "FAIL: " in out and "-pm 1" in out and "nvidia-smi -i 0 -r" in out and "what to do" in out
+    assert f"[{UUID}]" in out  # square brackets in details are text, not rich markup
 
 
 # --- gathering on the fake NVML ------------------------------------------------------------------

@@ -254,9 +254,9 @@ def measure_matmul(
         warmup_s = 0.3 if device.type == "cuda" else 0.1
     if target_s is None:
         target_s = 0.05
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    a = torch.randn(size, size, generator=gen).to(device=device, dtype=dtype)
-    b = torch.randn(size, size, generator=gen).to(device=device, dtype=dtype)
+    # generated on the device: an 8192² randn on the host takes seconds; the values don't matter
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
     out = torch.empty(size, size, device=device, dtype=dtype)
     name = dtype_key(dtype)
     cuda_fp32 = dtype == torch.float32 and device.type == "cuda"
