@@ -56,6 +56,63 @@ def _error(message: str) -> None:
     Console(stderr=True, highlight=False, soft_wrap=True).print(f"[bold red]perfrun: error:[/] {message}", markup=True)
 
 
+def _one_line(exc: BaseException) -> str:
+    """Hydra's composition errors, as one line: what was wrong and how to fix it."""
+    from hydra.errors import MissingConfigException
+
+    if isinstance(exc, MissingConfigException) and exc.options is not None:
+        group = exc.missing_cfg_file.rsplit("/", 1)[0] if exc.missing_cfg_file else "the group"
+        wrong = exc.missing_cfg_file.rsplit("/", 1)[-1] if exc.missing_cfg_file else "?"
+        return f"{group}={wrong} is not an option of {group}; choose one of {', '.join(exc.options)}"
+    text = str(exc).strip()
+    cause = exc.__cause__
+    if text.startswith("Could not override"):
+        key = text.split("'")[1] if "'" in text else text
+        return (f"{key} is not a key of the configuration; list the keys with perfrun train --cfg job "
+                "(a misspelt group or key is the usual cause)")
+    if text.startswith("Error merging override") and cause is not None:
+        override = text.removeprefix("Error merging override").strip()
+        reason = str(cause).strip().splitlines()[0]
+        return f"{override}: {reason}; give a value of the type the key takes (perfrun train --cfg job shows them)"
+    first = text.splitlines()[0] if text else type(exc).__name__
+    return f"{first} (perfrun train --help lists the groups and options)"
+
+
+def _preflight(args: list[str]) -> str | None:
+    """Compose a single run's configuration before Hydra does, so that a wrong option,
+    key or type gets one line instead of Hydra's page. Flags (``-m``, ``--cfg``...) and
+    sweeps are left to Hydra, which reports those errors itself."""
+    if any(a.startswith("-") for a in args):
+        return None
+    from hydra import compose, initialize_config_dir
+
+    try:
+        with initialize_config_dir(config_dir=config_dir(), version_base="1.3", job_name="train"):
+            cfg = compose("train", overrides=args, return_hydra_config=True)
+            run_dir = str(cfg.hydra.run.dir)
+    except Exception as e:  # noqa: BLE001 - every composition error is the user's input
+        return _one_line(e)
+    return _unwritable(Path(run_dir))
+
+
+def _unwritable(run_dir: Path) -> str | None:
+    """Check, without creating it, that the run dir can be made: its nearest existing
+    ancestor must be a folder we can write a file into."""
+    import tempfile
+
+    ancestor = run_dir.absolute()
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        return f"hydra.run.dir={run_dir} cannot be created: {ancestor} is a file; choose another hydra.run.dir"
+    try:
+        with tempfile.TemporaryFile(dir=ancestor):
+            pass
+    except OSError as e:
+        return f"hydra.run.dir={run_dir} is not writable ({ancestor}: {e.strerror}); choose a writable hydra.run.dir"
+    return None
+
+
 def train_main(args: list[str]) -> int:
     """Run the Hydra app with ``args`` as its command line."""
     import hydra
@@ -68,6 +125,10 @@ def train_main(args: list[str]) -> int:
     from perfrun.train import RunFailed, run
 
     register_configs()
+    problem = _preflight(args)
+    if problem is not None:
+        _error(problem)
+        return 2
 
     @hydra.main(version_base="1.3", config_path=config_dir(), config_name="train")
     def app(cfg: DictConfig) -> None:

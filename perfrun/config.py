@@ -37,7 +37,12 @@ class CheckpointingConfig:
 
 @dataclass
 class DataLoaderConfig:
-    batch_size: int = 8
+    # An int >= 1, or "auto": the largest batch that fits (perfrun/batch_size.py). OmegaConf
+    # has no Union type, hence Any; validate() checks it.
+    batch_size: Any = 8
+    max_batch_size: int | None = None  # auto: never choose more than this
+    batch_margin: float = 0.1  # auto: choose this fraction below the largest batch that fit
+    memory_budget_mib: float | None = None  # auto: tensor memory allowed (needed on the CPU)
     num_workers: int = 0
     pin_memory: bool = True  # only takes effect on CUDA
     persistent_workers: bool = False
@@ -173,8 +178,54 @@ def _get(cfg: Any, dotted: str) -> Any:
     return node
 
 
+def _unknown_keys(node: Any, schema: Any, prefix: str = "") -> list[str]:
+    """Keys in ``node`` that the schema lacks (Hydra's ``+key=value`` can add them)."""
+    from omegaconf import DictConfig
+
+    unknown = []
+    for key in node.keys() if isinstance(node, DictConfig) else []:
+        if key not in schema:
+            unknown.append(f"{prefix}{key}")
+        elif isinstance(schema[key], DictConfig):
+            unknown += _unknown_keys(node[key], schema[key], f"{prefix}{key}.")
+    return unknown
+
+
+def _check_batch_size(dl: Any) -> None:
+    """batch_size is an int >= 1 or "auto"; the auto options must make sense."""
+    b = dl.batch_size
+    if isinstance(b, int) and not isinstance(b, bool):
+        if b < 1:
+            raise ConfigError(
+                f"dataloader.batch_size={b} must be >= 1 (or auto); set dataloader.batch_size=1 or more, "
+                "or dataloader.batch_size=auto for the largest that fits"
+            )
+    elif b != "auto":
+        shown = str(b).lower() if isinstance(b, bool) else b
+        raise ConfigError(
+            f"dataloader.batch_size={shown} is neither a whole number nor auto; set e.g. dataloader.batch_size=8, "
+            "or dataloader.batch_size=auto for the largest that fits"
+        )
+    if dl.max_batch_size is not None and dl.max_batch_size < 1:
+        raise ConfigError(f"dataloader.max_batch_size={dl.max_batch_size} must be >= 1; set it to null for no cap")
+    if not 0.0 <= dl.batch_margin < 1.0:
+        raise ConfigError(f"dataloader.batch_margin={dl.batch_margin} must be in [0, 1); set it to 0.1 (10% below the limit)")
+    budget = dl.memory_budget_mib
+    if budget is not None and not (math.isfinite(budget) and budget > 0):
+        raise ConfigError(f"dataloader.memory_budget_mib={budget} must be a positive number of MiB, or null")
+
+
 def validate(cfg: Any) -> None:
     """Check what the schema's types cannot; raise ConfigError with what, why and the fix."""
+    from omegaconf import OmegaConf
+
+    if OmegaConf.is_config(cfg):
+        unknown = _unknown_keys(cfg, OmegaConf.structured(TrainConfig))
+        if unknown:
+            raise ConfigError(
+                f"{', '.join(unknown)}: not a key perfrun knows; remove it "
+                "(perfrun train --cfg job lists the keys)"
+            )
     for key, allowed in _CHOICES.items():
         value = _get(cfg, key)
         if str(value) not in allowed:
@@ -187,7 +238,7 @@ def validate(cfg: Any) -> None:
         if value < low:
             raise ConfigError(f"{key}={value} must be >= {low}{why}; set {key}={max(low, 1)} or more")
 
-    at_least("dataloader.batch_size", 1)
+    _check_batch_size(cfg.dataloader)
     at_least("dataloader.num_workers", 0)
     at_least("accumulation.steps", 1)
     at_least("max_steps", 1, " (the number of optimizer steps to train)")

@@ -186,6 +186,12 @@ def setup(cfg: Any, stack: ExitStack) -> Setup:
     plan = apply_knobs(cfg, device, model, stack)
     optimizer, fused = build_optimizer(model, cfg.optim, device)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.max_steps)
+    auto_batch = None
+    if cfg.dataloader.batch_size == "auto":  # the largest batch that fits, found before the loaders exist
+        from perfrun.batch_size import resolve_auto_batch
+
+        auto_batch = resolve_auto_batch(cfg, device, plan, optimizer, len(data.train), seq_len, data.vocab_size)
+        cfg.dataloader.batch_size = auto_batch["batch_size"]
 
     train_loader = build_loader(data.train, cfg.dataloader, device_type=device.type, shuffle=True, seed=cfg.seed)
     val_loader = build_loader(data.val, cfg.dataloader, device_type=device.type, shuffle=False, seed=cfg.seed)
@@ -209,6 +215,7 @@ def setup(cfg: Any, stack: ExitStack) -> Setup:
         "mfu_dtype": dtype_name,
         **peak_figures,
         "data": data.description,
+        "batch_size_auto": auto_batch,
     }
     log.info(
         f"model {m.name}: {notes['params'] / 1e6:.2f}M parameters, seq_len {seq_len}, "

@@ -10,7 +10,6 @@ import zipfile
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, TINY_MODEL, run_cli
 
 
@@ -87,25 +86,18 @@ def test_multirun_sweep_and_clean_state_between_jobs(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "args, rc, words",
     [
-        (["precision=bf17"], 1, "Could not find 'precision/bf17'"),
-        (["dataloader.batch_size=abc"], 1, "dataloader.batch_size=abc"),
-        (["nosuchkey=1"], 1, "nosuchkey"),
+        (["precision=bf17"], 2, "precision=bf17 is not an option of precision; choose one of bf16, fp16, none"),
         (["dataloader.batch_size=0"], 2, "dataloader.batch_size=0 must be >= 1"),
-        (["dataloader.prefetch_factor=2"], 2, "dataloader.num_workers=0"),
-        (["data.seq_len=2048"], 2, "longer than model.block_size=256"),
-        (["device=cuda:3"], 2, "device=cuda:3"),
     ],
 )
-def test_bad_input_one_clear_message(tmp_path: Path, args: list[str], rc: int, words: str) -> None:
+def test_bad_input_in_a_real_process(tmp_path: Path, args: list[str], rc: int, words: str) -> None:
+    """The exit code and stderr as a shell sees them (tests/test_reliability.py runs the
+    full table of bad inputs in-process)."""
     r = run_cli("train", *args, cwd=tmp_path)
     assert r.returncode == rc
-    assert words in r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(errors) == 1 and errors[0].startswith("perfrun: error:") and words in errors[0]
     assert "Traceback" not in r.stderr + r.stdout
-    if rc == 2:
-        errors = [line for line in r.stderr.splitlines() if line.strip()]
-        assert len(errors) == 1 and errors[0].startswith("perfrun: error:")
-        (s,) = summaries(tmp_path / "outputs")
-        assert s["status"] == "failed" and words in s["reason"]
 
 
 def test_wheel_ships_the_config_and_runs_from_anywhere(tmp_path: Path) -> None:

@@ -223,6 +223,42 @@ def test_collect_mean_and_max_over_the_interval(monkeypatch):
     mon.close()
 
 
+def test_collect_makes_no_blocking_nvml_call_while_the_thread_runs(monkeypatch):
+    """The energy counter blocks ~4 ms on an H100: only the sampler thread may read it."""
+    monkeypatch.setattr("perfrun.telemetry.monitor.SLOW_READ_PERIOD_S", 0.02)
+    counter = iter(range(0, 10**9, 1000))
+    gpu = FakeGpu(uuid=UUID_A, energy_mj=lambda: next(counter))
+    mon = gpu_monitor(monkeypatch, gpu, SimpleNamespace(every_n_steps=1, sample_interval_s=0.01, pcie=False))
+    mon.start()
+    deadline = time.time() + 5
+    while gpu.calls.get("energy_mj", 0) < 4 and time.time() < deadline:
+        time.sleep(0.01)
+    mon._stop.set()  # freeze the thread so the call counts stay put
+    mon._thread.join()
+    mon._stop.clear()
+    monkeypatch.setattr(Monitor, "sampling", property(lambda self: True))
+    reads = gpu.calls["energy_mj"]
+    rec = mon.collect(10, 0.1)
+    assert gpu.calls["energy_mj"] == reads  # collect used the thread's latest reading
+    assert rec["energy_j"] == (reads - 1) * 1.0  # latest minus the reading at construction
+    mon.close()
+
+
+def test_short_interval_repeats_the_latest_sample_without_reading(monkeypatch):
+    gpu = FakeGpu(uuid=UUID_A, util=[30, 60])
+    mon = gpu_monitor(monkeypatch, gpu)
+    mon.sample()
+    mon.sample()
+    first = mon.collect(10, 0.1)
+    monkeypatch.setattr(Monitor, "sampling", property(lambda self: True))  # as if the thread ran
+    calls = dict(gpu.calls)
+    rec = mon.collect(11, 0.1)
+    assert gpu.calls == calls  # nothing read on the training thread
+    assert rec["monitor_samples"] == 0 and rec["gpu_util_pct_mean"] == 60.0 and first["monitor_samples"] == 2
+    assert rec["host_cpu_pct_mean"] == first["host_cpu_pct_mean"]  # no new host reading either
+    assert mon.summary(1)["monitor_samples"] == 2  # the repeat is not a new sample
+
+
 def test_collect_without_samples_takes_one(monkeypatch):
     mon = gpu_monitor(monkeypatch, FakeGpu(uuid=UUID_A, util=77))
     rec = mon.collect(1, None)

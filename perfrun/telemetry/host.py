@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import platform
 import shutil
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,18 +38,35 @@ class HostInterval:
     workers_cpu_pct: float | None  # all workers together, 100 = one core busy
 
 
+@dataclass
+class HostSnapshot:
+    """Cumulative CPU counters at one instant; two of them make a :class:`HostInterval`."""
+
+    t: float
+    sys_times: Any  # psutil.cpu_times()
+    proc_cpu_s: float | None  # this process, user + system
+    worker_cpu_s: dict[int, float]  # known worker pid -> user + system
+
+
 class HostSampler:
-    """Reads this process's RSS (cheap, every sample) and CPU deltas (once per interval)."""
+    """This process's RSS and CPU, the machine's CPU, and the DataLoader workers' CPU.
+
+    Finding the workers means listing this process's children, which scans every pid in
+    ``/proc`` (milliseconds on a busy host), so :meth:`scan_children` is separate; the
+    monitor's thread calls it about once a second. :meth:`snapshot` reads only counters
+    (a few /proc files); :func:`host_delta` turns two snapshots into interval means.
+    """
 
     def __init__(self, pid: int | None = None) -> None:
         self.proc = psutil.Process(pid or os.getpid())
-        self._ncpu = psutil.cpu_count() or 1
-        self._last_t = time.monotonic()
-        self._last_sys = psutil.cpu_times()
-        self._last_proc = self._proc_cpu()
-        self._children: dict[int, tuple[psutil.Process, float]] = {}
+        self._lock = threading.Lock()
+        self._workers: dict[int, psutil.Process] = {}
+        # CPU seconds a worker had before perfrun first saw it (only for workers that
+        # existed at construction; a worker found later started after the last scan)
+        self._baseline: dict[int, float] = {}
         self._not_workers: set[int] = set()
-        self._refresh_children(first=True)
+        self.scan_children(first=True)
+        self._last = self.snapshot()
 
     def rss_mib(self) -> float | None:
         try:
@@ -70,55 +88,71 @@ class HostSampler:
             return False
         return not any(tag in cmd for tag in _NOT_WORKERS)
 
-    def _refresh_children(self, *, first: bool = False) -> float:
-        """Update the worker list; return the CPU seconds the workers used since the last call.
-
-        A worker first seen now was started during the interval (the list is refreshed
-        every interval), so all its CPU time belongs to this interval; on the very first
-        call there is no interval, so existing workers only set the baseline.
-        """
+    def scan_children(self, *, first: bool = False) -> None:
+        """Find new worker processes and forget dead ones."""
         try:
             children = self.proc.children(recursive=False)
         except (psutil.Error, OSError):
-            children = []
-        used = 0.0
-        seen: dict[int, tuple[psutil.Process, float]] = {}
+            return
+        alive = {c.pid for c in children}
+        found: dict[int, psutil.Process] = {}
         for child in children:
-            known = self._children.get(child.pid)
-            if known is None and (child.pid in self._not_workers or not self._is_worker(child)):
+            if child.pid in self._workers or child.pid in self._not_workers:
+                continue
+            if not self._is_worker(child):
                 self._not_workers.add(child.pid)
                 continue
-            proc = known[0] if known else child
+            if first:
+                try:
+                    t = child.cpu_times()
+                except (psutil.Error, OSError):
+                    continue
+                self._baseline[child.pid] = t.user + t.system
+            found[child.pid] = child
+        with self._lock:
+            self._workers = {pid: w for pid, w in self._workers.items() if pid in alive}
+            self._workers.update(found)
+            self._not_workers &= alive
+
+    def snapshot(self) -> HostSnapshot:
+        """Current counters: machine CPU times, this process's, and each known worker's."""
+        with self._lock:
+            workers = list(self._workers.items())
+        worker_cpu: dict[int, float] = {}
+        for pid, proc in workers:
             try:
                 t = proc.cpu_times()
-                total = t.user + t.system
-            except (psutil.Error, OSError):
+            except (psutil.Error, OSError):  # exited: its last slice of CPU is lost
                 continue
-            before = known[1] if known else (total if first else 0.0)
-            used += max(0.0, total - before)
-            seen[child.pid] = (proc, total)
-        self._children = seen
-        return used
+            worker_cpu[pid] = t.user + t.system
+        return HostSnapshot(time.monotonic(), psutil.cpu_times(), self._proc_cpu(), worker_cpu)
 
-    def interval(self) -> HostInterval:
-        """Mean CPU use since the previous call (or construction)."""
-        now = time.monotonic()
-        dt = max(now - self._last_t, 1e-9)
-        sys_now = psutil.cpu_times()
-        host = _busy_pct(self._last_sys, sys_now)
-        proc_now = self._proc_cpu()
+    def delta(self, before: HostSnapshot, after: HostSnapshot) -> HostInterval:
+        """Means over the time between two snapshots."""
+        dt = max(after.t - before.t, 1e-9)
         proc_pct = None
-        if proc_now is not None and self._last_proc is not None:
-            proc_pct = 100.0 * max(0.0, proc_now - self._last_proc) / dt
-        workers_used = self._refresh_children()
-        workers = len(self._children)
-        self._last_t, self._last_sys, self._last_proc = now, sys_now, proc_now
+        if after.proc_cpu_s is not None and before.proc_cpu_s is not None:
+            proc_pct = 100.0 * max(0.0, after.proc_cpu_s - before.proc_cpu_s) / dt
+        used = 0.0
+        for pid, total in after.worker_cpu_s.items():
+            start = before.worker_cpu_s.get(pid, self._baseline.get(pid, 0.0))
+            used += max(0.0, total - start)
+        workers = len(after.worker_cpu_s)
         return HostInterval(
-            host_cpu_pct=host,
+            host_cpu_pct=_busy_pct(before.sys_times, after.sys_times),
             proc_cpu_pct=proc_pct,
             workers=workers,
-            workers_cpu_pct=100.0 * workers_used / dt if workers else None,
+            workers_cpu_pct=100.0 * used / dt if workers else None,
         )
+
+    def interval(self, *, scan: bool = True) -> HostInterval:
+        """Mean CPU use since the previous call (or construction); scans for workers first."""
+        if scan:
+            self.scan_children()
+        now = self.snapshot()
+        out = self.delta(self._last, now)
+        self._last = now
+        return out
 
 
 def _busy_pct(before: Any, after: Any) -> float | None:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from perfrun.telemetry import nvml as nvml_mod
-from perfrun.telemetry.host import HostSampler
+from perfrun.telemetry.host import HostInterval, HostSampler
 
 _MIB = 1024 * 1024
 
@@ -27,6 +27,10 @@ _MIB = 1024 * 1024
 SLOW_STEP_FACTOR = 1.10
 #: At most this many slow intervals are listed in the summary (the slowest first).
 MAX_SLOW_STEPS_LISTED = 50
+#: Reads that block for milliseconds (NVML's energy counter ~4 ms on an H100, the /proc
+#: scan for worker processes ~2 ms) happen in the sampler thread at most this often,
+#: never on the training thread while the sampler runs.
+SLOW_READ_PERIOD_S = 1.0
 
 _GPU_FIELDS = (
     "gpu_util",
@@ -184,13 +188,17 @@ class Monitor:
         self._run = _Window()
         self._records: list[_IntervalRecord] = []
         self._last_step: int | None = None
-        self._interval_t0 = time.perf_counter()
-        self._run_t0 = self._interval_t0
+        self._run_t0 = time.perf_counter()
+        self._host_prev = self.host.snapshot()  # host counters at the previous collect
+        self._host_latest = self._host_prev  # the sampler thread's latest reading
+        self._host_carry: HostInterval | None = None
         self._host_weighted: dict[str, list[float]] = {"host_cpu_pct": [0.0, 0.0], "workers_cpu_pct": [0.0, 0.0]}
         self._workers_max = 0
 
         self._energy_start_mj = self._energy_mj()
-        self._energy_last_mj = self._energy_start_mj
+        self._energy_last_mj = self._energy_start_mj  # counter at the previous collect
+        self._energy_latest_mj = self._energy_start_mj  # the sampler thread's latest reading
+        self._last_slow_read = time.perf_counter()
 
         self.sampler_cpu_s = 0.0
         self.sampler_wall_s = 0.0
@@ -236,6 +244,18 @@ class Monitor:
             self._prev = s
         return s
 
+    def _slow_reads(self) -> None:
+        """The blocking reads, kept off the training thread (see SLOW_READ_PERIOD_S)."""
+        self.host.scan_children()
+        mj = self._energy_mj()
+        if mj is not None:
+            self._energy_latest_mj = mj
+
+    @property
+    def sampling(self) -> bool:
+        """Whether the background thread is running (else collect() reads everything itself)."""
+        return self._thread is not None and self._thread.is_alive()
+
     # -- thread -----------------------------------------------------------------------
 
     def start(self) -> None:
@@ -251,6 +271,10 @@ class Monitor:
             c0, w0 = time.thread_time(), time.perf_counter()
             try:
                 self.sample()
+                self._host_latest = self.host.snapshot()
+                if w0 - self._last_slow_read >= SLOW_READ_PERIOD_S:
+                    self._last_slow_read = w0
+                    self._slow_reads()
             except Exception as exc:  # noqa: BLE001 - telemetry must never kill training
                 nvml_mod.warn_once("monitor:sample", f"monitor sample failed ({type(exc).__name__}: {exc}); continuing")
             w1 = time.perf_counter()
@@ -282,22 +306,32 @@ class Monitor:
         """Mean/max over the samples since the last collect, as flat JSON-able keys.
 
         ``step_time_s``: the trainer's mean step time over the same interval (``None``
-        for warm-up), kept so :meth:`summary` can link slow steps to throttling. If no
-        sample fell in the interval (collect called faster than the sample period), one
-        is taken now so the record is never empty.
+        for warm-up), kept so :meth:`summary` can link slow steps to throttling.
+
+        While the sampler thread runs, collect reads nothing itself (every_n_steps=1 must
+        stay cheap): GPU figures, host CPU counters and energy come from the thread, so
+        interval boundaries are accurate to one sample period. If no sample fell in the
+        interval (collect called faster than the sample period), the latest sample is
+        reported with ``monitor_samples: 0``. Without the thread, collect takes a sample.
         """
         t0 = time.perf_counter()
+        sampling = self.sampling
         with self._lock:
             empty = self._interval.samples == 0
-        if empty:
+        if empty and not sampling:
             self.sample()
         with self._lock:
             w, self._interval = self._interval, _Window()
-        now = time.perf_counter()
-        dt, self._interval_t0 = now - self._interval_t0, now
-        hi = self.host.interval()
+            last = self._prev
+        n_samples = w.samples
+        if n_samples == 0 and last is not None:
+            # an interval shorter than the sample period: report the latest sample (at
+            # most sample_interval_s old) rather than pay for a reading on this thread
+            w = _Window()
+            w.add(last, None)
+        hi, dt = self._host_interval(sampling)
 
-        out: dict[str, Any] = {"monitor_samples": w.samples}
+        out: dict[str, Any] = {"monitor_samples": n_samples}
         if self.is_cuda:
             out.update(self._gpu_record(w))
         out["host_cpu_pct_mean"] = _r(hi.host_cpu_pct)
@@ -307,7 +341,7 @@ class Monitor:
         out["workers_cpu_pct_mean"] = _r(hi.workers_cpu_pct)
 
         for key, value in (("host_cpu_pct", hi.host_cpu_pct), ("workers_cpu_pct", hi.workers_cpu_pct)):
-            if value is not None:
+            if value is not None and dt > 0:
                 self._host_weighted[key][0] += value * dt
                 self._host_weighted[key][1] += dt
         self._workers_max = max(self._workers_max, hi.workers)
@@ -323,10 +357,31 @@ class Monitor:
         self.collect_s += time.perf_counter() - t0
         return out
 
+    def _host_interval(self, sampling: bool) -> tuple[HostInterval, float]:
+        """Host means since the previous collect, from the thread's latest counters.
+
+        Returns the interval and its length in seconds (0 when carried over: no new
+        reading since the previous collect, so that interval's figures are repeated).
+        """
+        if sampling:
+            cur = self._host_latest
+        else:
+            self.host.scan_children()
+            cur = self._host_latest = self.host.snapshot()
+        if cur is self._host_prev or cur.t <= self._host_prev.t:
+            carry = self._host_carry or HostInterval(None, None, len(cur.worker_cpu_s), None)
+            return carry, 0.0
+        hi = self.host.delta(self._host_prev, cur)
+        dt = cur.t - self._host_prev.t
+        self._host_prev, self._host_carry = cur, hi
+        return hi, dt
+
     def _gpu_record(self, w: _Window) -> dict[str, Any]:
         a = w.agg
         energy_j: float | None = None
-        now_mj = self._energy_mj()
+        # with the thread running: its latest reading (at most SLOW_READ_PERIOD_S old), so
+        # the interval's energy is shifted by up to that much; the run's total is exact
+        now_mj = self._energy_latest_mj if self.sampling else self._energy_mj()
         if now_mj is not None and self._energy_last_mj is not None:
             energy_j = (now_mj - self._energy_last_mj) / 1000.0
         elif self._energy_start_mj is None and w.power_integral_ok and w.samples > 1:

@@ -1,0 +1,260 @@
+"""Nothing lost: checkpoints, exact resume, graceful stop, crash safety, numeric guards,
+out of memory, and one clear line for every bad input."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from bad_input_cases import CASES, SMALL, make_fixtures
+from conftest import REPO, TINY_MODEL, make_cfg
+
+from perfrun import checkpoint
+from perfrun.cli import main as cli_main
+from perfrun.config import ConfigError
+from perfrun.model import GPT
+from perfrun.train import RunFailed, run
+
+
+def losses_by_step(run_dir: Path) -> dict[int, float]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r["loss"] for r in map(json.loads, lines) if r["kind"] == "train"}
+
+
+def test_checkpoint_contents_load_with_weights_only(tmp_path: Path) -> None:
+    s = run(make_cfg("max_steps=6", "checkpoint.every_n_steps=2", "checkpoint.keep_last=2", "precision=fp16"), tmp_path)
+    found = checkpoint.list_checkpoints(tmp_path / "checkpoints")
+    assert [p.name for p in found] == ["step_0000004.pt", "step_0000006.pt"]  # keep_last=2; 2 was pruned
+    assert s["checkpoints"][-1] == str(found[-1])
+    ckpt = torch.load(found[-1], map_location="cpu", weights_only=True)
+    assert ckpt["step"] == 6 and ckpt["format"] == checkpoint.FORMAT
+    assert set(ckpt) >= {"model", "optimizer", "scheduler", "scaler", "rng", "data", "config", "perfrun_version", "tokens"}
+    assert ckpt["scaler"]["scale"] > 0 and ckpt["data"] == s["data_position"]
+    assert set(ckpt["rng"]) >= {"python", "numpy", "torch"}
+    assert ckpt["config"]["model"]["n_embd"] == 32
+    assert not list((tmp_path / "checkpoints").glob("*.tmp"))
+
+
+@pytest.mark.parametrize("extra", [[], ["model.dropout=0.1", "accumulation.steps=2"]])
+def test_resume_is_bit_exact(tmp_path: Path, extra: list[str]) -> None:
+    """Stopped at step 10 and resumed, the run's losses at steps 11-20 equal the
+    uninterrupted run's bit for bit (CPU, fp32), dropout's random masks included."""
+    common = ["max_steps=20", "log_every=1", "dataloader.batch_size=8", *extra]
+    full = run(make_cfg(*common, "checkpoint.every_n_steps=10", "checkpoint.keep_last=5"), tmp_path / "full")
+    ckpt = tmp_path / "full" / "checkpoints" / "step_0000010.pt"
+    resumed = run(make_cfg(*common, f"resume={ckpt}"), tmp_path / "resumed")
+    a, b = losses_by_step(tmp_path / "full"), losses_by_step(tmp_path / "resumed")
+    assert sorted(b) == list(range(11, 21)) and resumed["start_step"] == 10
+    assert [a[k] for k in range(11, 21)] == [b[k] for k in range(11, 21)]
+    assert resumed["tokens"] == full["tokens"] and resumed["data_position"] == full["data_position"]
+    assert resumed["final_val_loss"] == full["final_val_loss"]
+
+
+def test_resume_auto_finds_the_latest_in_the_run_dir(tmp_path: Path) -> None:
+    run(make_cfg("max_steps=4", "checkpoint.every_n_steps=2"), tmp_path)
+    s = run(make_cfg("max_steps=6", "resume=auto"), tmp_path)
+    assert s["resumed_from"].endswith("step_0000004.pt") and s["start_step"] == 4 and s["steps"] == 6
+    fresh = run(make_cfg("max_steps=2", "resume=auto"), tmp_path / "outputs" / "d" / "t")
+    assert fresh["resumed_from"] is None and fresh["start_step"] == 0  # nothing to resume: a fresh start, said in the log
+
+
+def test_resume_refuses_another_model_shape(tmp_path: Path) -> None:
+    run(make_cfg("max_steps=2"), tmp_path / "a")
+    with pytest.raises(ConfigError, match="another model shape .*n_embd 32 vs 64"):
+        run(make_cfg("max_steps=4", "model.n_embd=64", f"resume={tmp_path / 'a' / 'checkpoints'}"), tmp_path / "b")
+
+
+def test_full_disk_during_save_keeps_the_previous_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real_save = torch.save
+    calls = {"n": 0}
+
+    def filling_disk(obj, f, *a, **k):  # the second save finds the disk full half-way
+        calls["n"] += 1
+        if calls["n"] == 2:
+            f.write(b"partial")
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(obj, f, *a, **k)
+
+    monkeypatch.setattr(checkpoint.torch, "save", filling_disk)
+    with pytest.raises(RunFailed, match="the disk is full.*previous checkpoint is intact"):
+        run(make_cfg("max_steps=6", "checkpoint.every_n_steps=2"), tmp_path)
+    files = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert files == ["step_0000002.pt"]  # no partial file, the good one intact
+    assert checkpoint.load(tmp_path / "checkpoints" / files[0])["step"] == 2
+    assert json.loads((tmp_path / "summary.json").read_text())["status"] == "failed"
+
+
+def test_divergence_stops_with_a_clear_message(tmp_path: Path) -> None:
+    with pytest.raises(RunFailed, match=r"diverged: .* not finite for 3 consecutive steps .*lower optim.lr"):
+        run(make_cfg("max_steps=30", "optim.lr=1e30", "optim.warmup_steps=0", "checkpoint.every_n_steps=1"), tmp_path)
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert s["status"] == "failed" and s["guard"]["nonfinite_steps"] == 3 and s["guard"]["max_nonfinite_streak"] == 3
+    ckpts = checkpoint.list_checkpoints(tmp_path / "checkpoints")
+    last_good = checkpoint.load(ckpts[-1])
+    assert all(torch.isfinite(t).all() for t in last_good["model"].values())  # no NaN state was saved
+    assert str(ckpts[-1]) in s["reason"]
+
+
+def test_fp16_counts_scaler_skipped_steps(tmp_path: Path) -> None:
+    s = run(make_cfg("max_steps=8", "precision=fp16", "optim.lr=1e30", "optim.warmup_steps=0", "guard.max_bad_steps=100"),
+            tmp_path)
+    assert s["guard"]["scaler_skipped_steps"] >= 1
+    assert s["guard"]["scaler_skipped_steps"] <= 8
+
+
+def test_out_of_memory_becomes_advice(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def oom(self, *a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(GPT, "forward", oom)
+    with pytest.raises(RunFailed, match="out of memory .*smaller dataloader.batch_size.*checkpointing=full"):
+        run(make_cfg("max_steps=2"), tmp_path)
+    assert json.loads((tmp_path / "summary.json").read_text())["status"] == "failed"
+
+
+def test_compile_without_a_compiler_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))
+    with pytest.raises(ConfigError, match="needs a C\\+\\+ compiler"):
+        run(make_cfg("compile=true"), tmp_path)
+
+
+def test_fp16_where_unsupported_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Simulates a device whose autocast lacks fp16 (torch warns and disables autocast)."""
+    import warnings
+
+    real = torch.autocast
+
+    class NoFp16(real):
+        def __init__(self, device_type: str, dtype=None, **k):
+            if dtype == torch.float16:
+                warnings.warn("In CPU autocast, but the target dtype is not supported. Disabling autocast.")
+                dtype = torch.bfloat16
+            super().__init__(device_type, dtype=dtype, **k)
+
+    monkeypatch.setattr(torch, "autocast", NoFp16)
+    with pytest.raises(ConfigError, match="precision=fp16: autocast to torch.float16 is not supported"):
+        run(make_cfg("precision=fp16"), tmp_path)
+
+
+def _digest(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file() and "outputs" not in p.parts}
+
+
+@pytest.fixture(scope="module")
+def fixtures(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("bad-inputs")
+    run(make_cfg("max_steps=1", "model.n_embd=64"), d / "source")
+    make_fixtures(d, checkpoint.list_checkpoints(d / "source" / "checkpoints")[-1])
+    return d
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.what for c in CASES])
+def test_bad_input_gets_one_line(case, fixtures: Path, capfd: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert len(CASES) >= 25
+    monkeypatch.chdir(fixtures)
+    before = _digest(fixtures)
+    given = [a.format(d=fixtures) for a in case.args]
+    args = [given[0], *(SMALL if case.small else []), *given[1:]]  # the case's own values come last and win
+    try:
+        rc = cli_main(args)
+    except SystemExit as e:  # Hydra's app exits through SystemExit
+        rc = e.code
+    out, err = capfd.readouterr()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert rc not in (0, None), out + err
+    assert len(lines) == 1 and lines[0].startswith("perfrun: error:"), err
+    assert case.says in lines[0], lines[0]
+    assert "Traceback" not in out + err
+    assert _digest(fixtures) == before  # no file damaged
+
+
+def _start(tmp_path: Path, *args: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, "-m", "perfrun", "train", *args], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for(predicate, timeout: float = 120) -> None:
+    end = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > end:
+            raise TimeoutError
+        time.sleep(0.005)
+
+
+def _first_metrics(tmp_path: Path) -> bool:
+    return any(p.stat().st_size > 0 for p in tmp_path.rglob("metrics.jsonl"))
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_signal_stops_gracefully_and_resumes(tmp_path: Path, sig: int, code: int) -> None:
+    p = _start(tmp_path, *TINY_MODEL, "max_steps=100000", "log_every=1", "device=cpu", "monitor.every_n_steps=0",
+               "hydra.run.dir=run")
+    _wait_for(lambda: _first_metrics(tmp_path))
+    p.send_signal(sig)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == code, err
+    assert "Traceback" not in err
+    s = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert s["status"] == "interrupted" and s["interrupted_by"] == sig
+    (ckpt,) = checkpoint.list_checkpoints(tmp_path / "run" / "checkpoints")
+    assert checkpoint.load(ckpt)["step"] == s["steps"]
+    stop_step = s["steps"]
+    resumed = _start(tmp_path, *TINY_MODEL, f"max_steps={stop_step + 3}", "device=cpu", "monitor.every_n_steps=0",
+                     "hydra.run.dir=run", "resume=auto")
+    out, err = resumed.communicate(timeout=120)
+    assert resumed.returncode == 0, err
+    s2 = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert s2["status"] == "completed" and s2["start_step"] == stop_step and s2["steps"] == stop_step + 3
+
+
+def test_second_sigint_stops_at_once(tmp_path: Path) -> None:
+    """The second SIGINT is sent once the first was handled (two signals that arrive while
+    the interpreter is inside one C call are delivered as one), during a ~1 s step."""
+    p = _start(tmp_path, "model.n_layer=4", "model.n_embd=384", "model.n_head=4", "dataloader.batch_size=16",
+               "max_steps=100000", "log_every=1", "device=cpu", "monitor.every_n_steps=0", "hydra.run.dir=run")
+    _wait_for(lambda: _first_metrics(tmp_path))
+    p.send_signal(signal.SIGINT)
+    for line in p.stdout:
+        if "SIGINT received" in line:
+            break
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 130 and "Traceback" not in err
+    s = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert s["status"] == "interrupted" and "second SIGINT" in s["reason"]
+
+
+def test_kill_9_during_a_checkpoint_write_leaves_the_previous_one(tmp_path: Path) -> None:
+    """A model big enough that a save takes a while; killed while a .tmp is being written."""
+    p = _start(tmp_path, "model.n_layer=2", "model.n_embd=512", "model.n_head=4", "model.block_size=32",
+               "dataloader.batch_size=2", "max_steps=100000", "log_every=1", "device=cpu",
+               "monitor.every_n_steps=0", "checkpoint.every_n_steps=1", "checkpoint.keep_last=2", "hydra.run.dir=run")
+    ckdir = tmp_path / "run" / "checkpoints"
+    try:
+        _wait_for(lambda: len(checkpoint.list_checkpoints(ckdir)) >= 1)
+        _wait_for(lambda: any(ckdir.glob("*.tmp")))
+        p.kill()
+    finally:
+        p.wait(timeout=30)
+    assert p.returncode == -signal.SIGKILL
+    assert any(ckdir.glob("*.tmp"))  # it really died mid-write
+    good = checkpoint.list_checkpoints(ckdir)[-1]
+    step = checkpoint.load(good)["step"]
+    for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines():
+        json.loads(line)  # every line that was written is whole
+    s = run(make_cfg("model.n_layer=2", "model.n_embd=512", "model.n_head=4", "model.block_size=32",
+                     "dataloader.batch_size=2", f"max_steps={step + 1}", f"resume={good}"), tmp_path / "resumed")
+    assert s["status"] == "completed" and s["start_step"] == step
+    assert np.isfinite(s["final_train_loss"])
