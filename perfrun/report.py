@@ -63,7 +63,7 @@ class Row:
     """One job, as its summary.json tells it."""
 
     job: str  # its dir relative to the sweep dir (prefixed by the root when several are given)
-    root: str  # the directory the user named (a sweep, tune or run dir)
+    root: str  # the directory the user named, when several were given; "" for one
     overrides: list[str]
     status: str  # completed | failed | missing | unreadable | running (stopped without finishing)
     reason: str | None
@@ -206,7 +206,7 @@ def load(
         jobs = job_dirs(root)
         if not jobs:
             raise ReportError(f"{given} holds no summary.json: it is not a perfrun run, sweep or tune directory")
-        root_label = str(given)
+        root_label = str(given) if several else ""  # one dir: nothing depends on how it was spelt
         for job in jobs:
             rel = job.relative_to(root).as_posix()
             label = root.name if rel == "." else rel
@@ -395,7 +395,7 @@ def ablation_table(a: dict[str, Any]) -> Table:
     """Per knob: speed-up, memory ratio, time to first step and loss parity against the baseline."""
     where = f" on {a['device_name']}" if a.get("device_name") else ""
     t = Table(
-        title=f"ablation{where}: each knob against the baseline ({a['root']})",
+        title=f"ablation{where}: each knob against the baseline" + (f" ({a['root']})" if a["root"] else ""),
         caption=_ablation_method(a) + (f" · peak memory: {a['peak_mem_source']}" if a.get("peak_mem_source") else ""),
         caption_justify="left",
     )
@@ -418,7 +418,8 @@ def notes(report: Report) -> list[str]:
     """Lines printed under the table: why jobs failed, ablation notes."""
     lines = [f"{r.job}: {r.status}: {r.reason}" for r in report.rows if r.status != "completed" and r.reason]
     for a in report.ablations:
-        lines += [f"ablation ({a['root']}): {n}" for n in a["notes"]]
+        where = f" ({a['root']})" if a["root"] else ""
+        lines += [f"ablation{where}: {n}" for n in a["notes"]]
     return lines
 
 

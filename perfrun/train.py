@@ -416,6 +416,7 @@ def train_loop(cfg: Any, s: Setup, sink: JsonlSink, reporter: ConsoleReporter, m
                 recent = timer.durations[max(0, done - cfg.monitor.every_n_steps):done]
                 stats = monitor.collect(step, sum(recent) / len(recent) if recent else None)
                 sink.write({"kind": "monitor", "step": step, **stats})
+                reporter.monitor(step, stats)
 
             if stop.requested:
                 interrupted_by = stop.signum

@@ -137,7 +137,7 @@ def test_fp16_where_unsupported_is_refused(tmp_path: Path, monkeypatch: pytest.M
     class NoFp16(real):
         def __init__(self, device_type: str, dtype=None, **k):
             if dtype == torch.float16:
-                warnings.warn("In CPU autocast, but the target dtype is not supported. Disabling autocast.")
+                warnings.warn("In CPU autocast, but the target dtype is not supported. Disabling autocast.", stacklevel=2)
                 dtype = torch.bfloat16
             super().__init__(device_type, dtype=dtype, **k)
 

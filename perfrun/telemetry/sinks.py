@@ -107,6 +107,29 @@ def _fmt_record(r: dict[str, Any]) -> str:
     return " | ".join(parts)
 
 
+_MONITOR_FIELDS = (
+    ("gpu_util_pct_mean", "GPU {:.0f}%"),
+    ("gpu_mem_used_mib", "mem {:,.0f} MiB"),
+    ("power_w_mean", "{:.0f} W"),
+    ("temp_c_max", "{:.0f} C"),
+    ("sm_clock_mhz_mean", "SM {:.0f} MHz"),
+    ("energy_j", "{:.1f} J"),
+    ("host_cpu_pct_mean", "host CPU {:.0f}%"),
+    ("rss_mib_max", "RSS {:,.0f} MiB"),
+    ("workers_cpu_pct_mean", "workers CPU {:.0f}%"),
+)
+
+
+def _fmt_monitor(step: int, r: dict[str, Any]) -> str:
+    """One console line per telemetry sample; fields that are N/A are left out."""
+    parts = [f"monitor step {step}"]
+    parts += [fmt.format(r[k]) for k, fmt in _MONITOR_FIELDS if r.get(k) is not None]
+    reasons = r.get("throttle_reasons")
+    if reasons is not None:
+        parts.append("throttle: " + (", ".join(reasons) if reasons else "none"))
+    return " | ".join(parts)
+
+
 class ConsoleReporter:
     """Live progress for a person, or plain periodic lines for a log file; nothing off rank 0."""
 
@@ -146,6 +169,10 @@ class ConsoleReporter:
             live = f"loss {record['loss']:.3f} | {record['tokens_per_s']:,.0f} tok/s"
             self._progress.update(self._task, completed=record["step"], live=live)
         log.info(_fmt_record(record))
+
+    def monitor(self, step: int, record: dict[str, Any]) -> None:
+        if self.mode != "off":
+            log.info(_fmt_monitor(step, record))
 
     def line(self, text: str) -> None:
         if self.mode != "off":

@@ -1,0 +1,32 @@
+"""The Hydra callback that summarises a multirun when it ends (``hydra.callbacks`` in
+conf/train.yaml).
+
+It only reads what the jobs wrote -- each job's summary.json -- through
+:func:`perfrun.report.write_sweep_summary`, so ``perfrun report SWEEP_DIR`` reproduces its
+table and files exactly, and a launcher that runs jobs elsewhere changes nothing. It never
+fails the sweep: a problem writing the summary is one warning line.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+
+class SweepSummary(Callback):
+    """On multirun end: sweep_summary.csv/.json/.png in the sweep dir and the table on the console."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        from perfrun.report import ReportError, warn, write_sweep_summary
+
+        sweep_dir = Path(str(config.hydra.sweep.dir))
+        try:
+            write_sweep_summary(sweep_dir)
+        except ReportError as e:
+            warn(f"no sweep summary: {e}")
+        except Exception as e:  # noqa: BLE001 - the jobs' results are on disk; never lose them to a summary bug
+            warn(f"no sweep summary ({type(e).__name__}: {e}); the jobs' results are in {sweep_dir}, "
+                 f"try perfrun report {sweep_dir}")
