@@ -155,7 +155,7 @@ def normalize_uuid(value: Any) -> str:
             return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
         value = value.decode("ascii", "replace")
     text = str(value).strip().strip("\0").lower()
-    for prefix in ("gpu-",):
+    for prefix in ("gpu-", "mig-"):
         if text.startswith(prefix):
             text = text[len(prefix):]
     return text
