@@ -85,13 +85,10 @@ def resolve_peak(cfg: Any, device: torch.device, dtype_name: str) -> tuple[float
     if choice == "datasheet":
         return sheet, (f"datasheet {dtype_name} peak for {name}" if sheet else sheet_note), figures
     if choice == "measured":
-        measured, how = measured_peak_tflops(device, _TORCH_DTYPE[dtype_name])
+        measured, how = measured_peak_tflops(device, dtype_name)
         figures["measured_tflops"] = measured
         return measured, f"measured {dtype_name} matmul peak ({how})", figures
     return float(choice), "mfu.peak given by the user", figures
-
-
-_TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "tf32": torch.float32, "fp32": torch.float32}
 
 
 def mfu_dtype(cfg: Any, device: torch.device) -> str:

@@ -103,7 +103,7 @@ def main() -> int:
     with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
         cfg = compose("train", overrides=[f"max_steps={args.steps}", f"timing_warmup_steps={args.warmup}",
                                           "progress=off", f"eval_every={args.steps}", "eval_batches=1",
-                                          *args.overrides])
+                                          "checkpoint.at_end=false", *args.overrides])
     rows: list[dict[str, Any]] = []
     for r in range(args.repeats):
         with tempfile.TemporaryDirectory() as d:
