@@ -240,7 +240,11 @@ def test_collect_makes_no_blocking_nvml_call_while_the_thread_runs(monkeypatch):
     reads = gpu.calls["energy_mj"]
     rec = mon.collect(10, 0.1)
     assert gpu.calls["energy_mj"] == reads  # collect used the thread's latest reading
-    assert rec["energy_j"] == (reads - 1) * 1.0  # latest minus the reading at construction
+    # with the thread, an interval's energy integrates its power samples (the counter may
+    # not have advanced within a short interval); the run's total comes from the counter
+    assert rec["energy_j"] is not None and rec["energy_j"] > 0
+    total = mon.summary(tokens=1000)
+    assert total["energy_source"] == "nvml_total_energy_counter"
     mon.close()
 
 

@@ -146,11 +146,15 @@ def test_semantic_errors_fail_before_work(tmp_path: Path, override: str, words: 
 
 
 @pytest.mark.gpu
-def test_gpu_bf16_compile_run(tmp_path: Path) -> None:
-    s = run(make_cfg("device=cuda", "precision=bf16", "compile=true", "max_steps=20"), tmp_path)
+def test_gpu_bf16_compile_run_releases_its_memory(tmp_path: Path) -> None:
+    """A ~13M-parameter model holds ~200 MB of weights, gradients and AdamW state; after
+    the job, allocated memory is back within a few MiB of cuBLAS/Triton workspaces."""
+    s = run(make_cfg("device=cuda", "precision=bf16", "compile=true", "max_steps=20", "model.n_layer=4",
+                     "model.n_embd=512", "model.n_head=8"), tmp_path)
     assert s["status"] == "completed"
-    assert s["peak_mem_source"] == "cuda_max_memory_allocated" and s["peak_mem_mib"] > 0
-    assert s["global_state_after"]["cuda_memory_allocated"] <= s["global_state_at_start"]["cuda_memory_allocated"]
+    assert s["peak_mem_source"] == "cuda_max_memory_allocated" and s["peak_mem_mib"] > 150
+    held = s["global_state_after"]["cuda_memory_allocated"] - s["global_state_at_start"]["cuda_memory_allocated"]
+    assert held < 64 * 2**20, held
 
 
 @pytest.mark.gpu

@@ -378,14 +378,22 @@ class Monitor:
 
     def _gpu_record(self, w: _Window) -> dict[str, Any]:
         a = w.agg
+        # Without the thread, collect reads the total-energy counter itself: the interval's
+        # energy is its exact delta. With the thread, the counter is read only about once
+        # a second, so a short interval may see no new reading (a false 0 J): its energy
+        # is then the integral of its power samples, and the counter still gives the
+        # run's exact total in summary() (energy_source says which was used).
         energy_j: float | None = None
-        # with the thread running: its latest reading (at most SLOW_READ_PERIOD_S old), so
-        # the interval's energy is shifted by up to that much; the run's total is exact
-        now_mj = self._energy_latest_mj if self.sampling else self._energy_mj()
-        if now_mj is not None and self._energy_last_mj is not None:
-            energy_j = (now_mj - self._energy_last_mj) / 1000.0
-        elif self._energy_start_mj is None and w.power_integral_ok and w.samples > 1:
-            energy_j = w.power_integral_j  # counter N/A: integrate the power samples
+        integral = w.power_integral_j if (w.power_integral_ok and w.samples > 1) else None
+        if self.sampling:
+            energy_j = integral
+            now_mj = self._energy_latest_mj
+        else:
+            now_mj = self._energy_mj()
+            if now_mj is not None and self._energy_last_mj is not None:
+                energy_j = (now_mj - self._energy_last_mj) / 1000.0
+            elif self._energy_start_mj is None:
+                energy_j = integral
         if now_mj is not None:
             self._energy_last_mj = now_mj
         rec: dict[str, Any] = {
