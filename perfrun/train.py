@@ -44,7 +44,7 @@ class RunFailed(RuntimeError):
 def resolve_device(spec: str) -> torch.device:
     """auto | cpu | cuda | cuda:N, checked against what this machine has."""
     if spec == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     try:
         device = torch.device(spec)
     except RuntimeError:
@@ -409,9 +409,7 @@ def train_loop(cfg: Any, s: Setup, sink: JsonlSink, reporter: ConsoleReporter, m
                 i0 = done
 
             if monitor is not None and step % cfg.monitor.every_n_steps == 0:
-                timer.flush()
-                recent = timer.durations[max(0, done - cfg.monitor.every_n_steps):done]
-                stats = monitor.collect(step, sum(recent) / len(recent) if recent else None)
+                stats = monitor.collect(step, None)  # step times attached at the end: no sync here
                 sink.write({"kind": "monitor", "step": step, **stats})
                 reporter.monitor(step, stats)
 
@@ -437,6 +435,8 @@ def train_loop(cfg: Any, s: Setup, sink: JsonlSink, reporter: ConsoleReporter, m
         failure = str(e) + (f"; the last good checkpoint is {saved[-1]}" if saved else "")
 
     timer.flush()
+    if monitor is not None:
+        monitor.attach_step_times(start.step + 1, timer.durations, warmup=warm)
     steady = timer.durations[warm:]
     steady_wall = host_wall[warm:]
     med = median(steady)

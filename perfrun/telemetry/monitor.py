@@ -419,6 +419,23 @@ class Monitor:
             rec["pcie_rx_mb_s_mean"] = _r(a("pcie_rx").mean)
         return rec
 
+    def attach_step_times(self, first_step: int, durations: list[float], warmup: int = 0) -> None:
+        """Fill in each interval's mean step time from the trainer's per-step durations
+        (``durations[i]`` is step ``first_step + i``), for intervals collected without one.
+        Intervals that hold any of the first ``warmup`` steps (compilation, allocator
+        warm-up) get none, so they are never called slow.
+
+        The trainer hands them over at the end rather than at every collect: reading CUDA
+        step times at each collect would synchronise the device every ``every_n_steps``.
+        """
+        for r in self._records:
+            if r.step_time_s is None:
+                lo = (r.since_step or first_step - 1) - first_step + 1
+                if lo < warmup:
+                    continue
+                span = durations[lo:max(lo, r.step - first_step + 1)]
+                r.step_time_s = sum(span) / len(span) if span else None
+
     def throttle_slow_steps(self) -> list[dict[str, Any]]:
         """Intervals that were slow while the GPU reported a slowdown reason.
 

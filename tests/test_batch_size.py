@@ -1,0 +1,137 @@
+"""dataloader.batch_size=auto: the search finds planted limits, the CPU memory accounting is
+real, and the search leaves the run exactly as a run given that batch size."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_cfg
+
+from perfrun.batch_size import LiveTensorMemory, NoBatchFits, search
+from perfrun.config import ConfigError, validate
+from perfrun.train import run
+
+
+@pytest.mark.parametrize("limit", [1, 2, 5, 37, 64, 1000])
+@pytest.mark.parametrize("oom", [False, True])
+def test_search_finds_a_planted_limit(limit: int, oom: bool) -> None:
+    calls: list[int] = []
+
+    def trial(b: int) -> bool:
+        calls.append(b)
+        if b > limit and oom:
+            raise torch.OutOfMemoryError(f"planted: {b} > {limit}")
+        return b <= limit
+
+    r = search(trial, margin=0.1)
+    assert r.max_fit == limit and r.first_fail == limit + 1
+    assert r.batch_size == max(1, math.floor(limit * 0.9 + 1e-9))
+    assert len(calls) == len(set(calls)), "a batch size was tried twice"
+    assert len(calls) <= 2 * math.ceil(math.log2(limit + 1)) + 2  # growth + bisection, not a linear scan
+    assert [b for b, _ in r.trials] == calls
+
+
+def test_search_from_a_start_above_the_limit_goes_down() -> None:
+    r = search(lambda b: b <= 20, start=64, margin=0.0)
+    assert (r.batch_size, r.max_fit, r.first_fail) == (20, 20, 21)
+
+
+def test_cap_stops_growth_without_a_margin() -> None:
+    r = search(lambda b: True, cap=48, margin=0.25)
+    assert (r.batch_size, r.max_fit, r.first_fail) == (48, 48, None)
+    assert max(b for b, _ in r.trials) == 48
+
+
+def test_nothing_fits_raises() -> None:
+    with pytest.raises(NoBatchFits) as e:
+        search(lambda b: False)
+    assert e.value.trials == [(1, False)]
+
+
+def test_other_errors_are_not_swallowed() -> None:
+    def trial(b: int) -> bool:
+        raise ValueError("a bug, not memory")
+
+    with pytest.raises(ValueError, match="a bug"):
+        search(trial)
+
+
+def test_live_tensor_memory_counts_allocations_and_frees() -> None:
+    mib = 2**20
+    with LiveTensorMemory(base_bytes=mib) as m:
+        a = torch.empty(mib, dtype=torch.uint8)
+        b = a[10:]  # a view: no new memory
+        c = torch.zeros(2 * mib, dtype=torch.uint8)
+        assert m.live == 3 * mib
+        del c
+        assert m.live == mib
+        del a, b
+        assert m.live == 0
+    assert m.peak == 3 * mib and m.peak_bytes == 4 * mib
+    with pytest.raises(torch.OutOfMemoryError), LiveTensorMemory(base_bytes=mib, limit_bytes=2 * mib) as m2:
+        torch.empty(2 * mib, dtype=torch.uint8)
+    assert m2.exceeded
+
+
+@pytest.mark.parametrize("value, ok", [("auto", True), (8, True), (0, False), ("abc", False), (True, False), (2.5, False)])
+def test_batch_size_validation(value: object, ok: bool) -> None:
+    cfg = make_cfg()
+    cfg.dataloader.batch_size = value
+    if ok:
+        validate(cfg)
+        return
+    with pytest.raises(ConfigError) as e:
+        validate(cfg)
+    message = str(e.value)
+    assert "dataloader.batch_size=" in message and "auto" in message and "\n" not in message
+
+
+def _train_losses(run_dir: Path) -> list[float]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r["loss"] for r in map(json.loads, lines) if r["kind"] == "train"]
+
+
+def test_auto_on_cpu_respects_the_budget_and_leaves_the_run_untouched(tmp_path: Path) -> None:
+    common = ["max_steps=4", "log_every=1", "timing_warmup_steps=1"]
+    auto = run(make_cfg(*common, "dataloader.batch_size=auto", "dataloader.memory_budget_mib=3"), tmp_path / "auto")
+    a = auto["batch_size_auto"]
+    trials = {b: (ok, peak) for b, ok, peak in a["trials"]}
+    assert a["stopped_by"] == "memory" and a["method"].startswith("live tensor bytes")
+    assert trials[a["max_fit"]][0] and trials[a["max_fit"]][1] <= 3
+    assert not trials[a["first_fail"]][0] and trials[a["first_fail"]][1] > 3
+    assert a["first_fail"] == a["max_fit"] + 1
+    assert auto["config"]["dataloader"]["batch_size"] == a["batch_size"] == math.floor(a["max_fit"] * 0.9 + 1e-9)
+    assert auto["tokens_per_step"] == a["batch_size"] * auto["seq_len"]
+    peaks = [peak for _, ok, peak in sorted(a["trials"]) if ok]  # a failed trial stops at the budget
+    assert len(peaks) >= 3 and peaks == sorted(peaks), "measured memory should grow with the batch"
+    # The search must not move the weights, the optimizer state or the RNG: the run that
+    # follows is the run given that batch size from the start.
+    fixed = run(make_cfg(*common, f"dataloader.batch_size={a['batch_size']}"), tmp_path / "fixed")
+    assert fixed["batch_size_auto"] is None
+    assert _train_losses(tmp_path / "auto") == _train_losses(tmp_path / "fixed")
+    # the trials run the knobs: checkpointed activations leave room for a larger batch
+    ckpt = run(make_cfg("max_steps=1", "dataloader.batch_size=auto", "dataloader.memory_budget_mib=3",
+                        "checkpointing=full"), None)
+    assert ckpt["batch_size_auto"]["max_fit"] > a["max_fit"]
+
+
+def test_auto_cap_stops_the_search(tmp_path: Path) -> None:
+    capped = run(make_cfg("max_steps=1", "dataloader.batch_size=auto", "dataloader.memory_budget_mib=3",
+                          "dataloader.max_batch_size=3"), None)
+    assert capped["batch_size_auto"]["batch_size"] == 3 and capped["batch_size_auto"]["first_fail"] is None
+    assert capped["batch_size_auto"]["stopped_by"] == "dataloader.max_batch_size"
+
+
+@pytest.mark.parametrize("extra, words", [
+    ([], "needs dataloader.memory_budget_mib"),
+    (["dataloader.memory_budget_mib=0.01"], "not even a batch of 1 fits"),
+])
+def test_auto_bad_budget_is_one_line(tmp_path: Path, extra: list[str], words: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        run(make_cfg("max_steps=1", "dataloader.batch_size=auto", *extra), tmp_path)
+    assert words in str(e.value) and "\n" not in str(e.value)
+    assert json.loads((tmp_path / "summary.json").read_text())["status"] == "failed"

@@ -1,0 +1,211 @@
+"""perfrun report on run dirs written by hand (no training: fast): rows come from each
+summary.json, CSV/JSON/HTML agree with them, the ablation's ratios and loss-parity flag,
+bad paths get one line, and no matplotlib means one warning, not a crash."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from perfrun import report
+from perfrun.sweep import SweepSummary
+
+
+def make_job(
+    job: Path, overrides: list[str], *, status: str = "completed", tps: float | None = 1000.0,
+    mem: float | None = 100.0, losses: dict[int, float] | None = None, first_step: float = 0.5,
+    knobs: dict | None = None, reason: str | None = None,
+) -> dict:
+    """A job dir as perfrun.train.run leaves it: summary.json and metrics.jsonl."""
+    job.mkdir(parents=True, exist_ok=True)
+    losses = losses or {10: 3.0, 20: 2.5, 30: 2.2, 40: 2.0, 50: 1.9}
+    s = {
+        "status": status, "overrides": overrides, "tokens_per_s_median": tps if status == "completed" else None,
+        "mfu_median": 0.25 if status == "completed" else None, "peak_mem_mib": mem, "data_wait_pct": 1.5,
+        "final_train_loss": list(losses.values())[-1], "final_val_loss": 2.0, "first_step_s": first_step,
+        "peak_mem_source": "cuda_max_memory_allocated", "environment": {"device_name": "Test GPU 9000"},
+        "knobs": knobs or {"precision": "none", "compile": False, "checkpointing": "none", "cudnn_benchmark": False},
+    }
+    if reason:
+        s["reason"] = reason
+    (job / "summary.json").write_text(json.dumps(s))
+    lines = [json.dumps({"kind": "train", "step": k, "loss": v}) for k, v in losses.items()]
+    (job / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    return s
+
+
+def make_sweep(root: Path) -> list[dict]:
+    common = ["model.n_layer=2", "device=cpu"]
+    return [
+        make_job(root / "0", ["dataloader.batch_size=8", *common], tps=1000.0),
+        make_job(root / "1", ["dataloader.batch_size=16", *common], tps=1800.0, mem=180.0),
+        make_job(root / "2", ["dataloader.batch_size=32", *common], status="failed", tps=None, mem=None,
+                 reason="out of memory on cuda:0"),
+        make_job(root / "10", ["dataloader.batch_size=64", *common], tps=1500.0, mem=300.0),
+    ]
+
+
+def test_rows_come_from_each_summary(tmp_path: Path) -> None:
+    summaries = make_sweep(tmp_path)
+    r = report.load([tmp_path])
+    assert [row.job for row in r.rows] == ["0", "1", "2", "10"]  # natural order, not 0, 1, 10, 2
+    assert r.swept_keys == ["dataloader.batch_size"]  # the common overrides are not "swept"
+    for row, s in zip(r.rows, summaries, strict=True):
+        assert row.status == s["status"] and row.tokens_per_s == s["tokens_per_s_median"]
+        assert row.peak_mem_mib == s["peak_mem_mib"] and row.final_train_loss == s["final_train_loss"]
+        assert row.overrides == s["overrides"]
+    assert r.best == "1" and [row.best for row in r.rows] == [False, True, False, False]
+    assert r.rows[2].reason == "out of memory on cuda:0"
+
+
+def test_csv_and_json_round_trip_exactly(tmp_path: Path) -> None:
+    summaries = make_sweep(tmp_path)
+    r = report.load([tmp_path])
+    rows = list(csv.DictReader(io.StringIO(report.to_csv(r))))
+    assert [row["dataloader.batch_size"] for row in rows] == ["8", "16", "32", "64"]
+    for row, s in zip(rows, summaries, strict=True):
+        expected = s["tokens_per_s_median"]
+        assert (float(row["tokens_per_s"]) if row["tokens_per_s"] else None) == expected
+        assert row["status"] == s["status"]
+    data = json.loads(report.to_json(r))
+    assert data["best"] == "1" and [x["tokens_per_s"] for x in data["rows"]] == [s["tokens_per_s_median"] for s in summaries]
+
+
+def test_table_marks_the_best_and_lists_failures(tmp_path: Path) -> None:
+    make_sweep(tmp_path)
+    text = report.render_text(report.load([tmp_path]), width=200)
+    best = [line for line in text.splitlines() if "★" in line and "│" in line]
+    assert len(best) == 1 and "dataloader.batch_size=16" in best[0] and "1,800" in best[0]
+    assert "2: failed: out of memory on cuda:0" in text
+    assert "model.n_layer" not in text.split("┃ job")[1].split("★ best")[0]  # only the swept key per row
+
+
+def test_missing_and_broken_summaries_become_rows(tmp_path: Path) -> None:
+    make_job(tmp_path / "0", ["a=1"])
+    (tmp_path / "1" / ".hydra").mkdir(parents=True)
+    (tmp_path / "1" / ".hydra" / "overrides.yaml").write_text("- a=2\n")
+    (tmp_path / "2").mkdir()
+    (tmp_path / "2" / "summary.json").write_text('{"status": "compl')  # cut short
+    r = report.load([tmp_path])
+    assert [(row.job, row.status) for row in r.rows] == [("0", "completed"), ("1", "missing"), ("2", "unreadable")]
+    assert r.rows[1].overrides == ["a=2"] and "killed" in (r.rows[1].reason or "")
+
+
+def test_several_dirs_compare(tmp_path: Path) -> None:
+    make_sweep(tmp_path / "a")
+    make_job(tmp_path / "b", ["dataloader.batch_size=16", "precision=bf16"], tps=2500.0)
+    r = report.load([tmp_path / "a", tmp_path / "b"])
+    assert r.swept_keys[0] == "source" and len(r.rows) == 5
+    assert r.best == str(tmp_path / "b")
+    assert {row.swept["source"] for row in r.rows} == {str(tmp_path / "a"), str(tmp_path / "b")}
+
+
+@pytest.mark.parametrize("make, words", [
+    (lambda p: p / "nope", "does not exist"),
+    (lambda p: (p / "f.txt").write_text("x") and p / "f.txt", "is a file"),
+    (lambda p: p, "holds no summary.json"),
+])
+def test_bad_path_is_one_line_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str], make, words: str) -> None:
+    assert report.main([str(make(tmp_path))]) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("perfrun: error: report:") and words in lines[0]
+
+
+def test_bad_option_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    make_sweep(tmp_path)
+    assert report.main([str(tmp_path), "--csv", "--json"]) == 2
+    assert report.main([str(tmp_path), "--loss-tol", "-1"]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 2 and all(line.startswith("perfrun: error: report:") for line in err)
+
+
+def test_csv_json_html_and_plot_outputs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    make_sweep(tmp_path / "s")
+    assert report.main([str(tmp_path / "s"), "--csv"]) == 0
+    assert capsys.readouterr().out == report.to_csv(report.load([tmp_path / "s"]))
+    assert report.main([str(tmp_path / "s"), "--json", "--html", str(tmp_path / "r.html"),
+                        "--plot", str(tmp_path / "r.png")]) == 0
+    assert json.loads(capsys.readouterr().out)["best"] == "1"
+    page = (tmp_path / "r.html").read_text()
+    assert "<table>" in page and "data:image/png;base64," in page and "1,800" in page
+    assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_without_matplotlib_one_warning_and_the_rest(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    make_sweep(tmp_path)
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")] or ["matplotlib"]:
+        monkeypatch.setitem(sys.modules, name, None)  # as if it were not installed
+    report.write_sweep_summary(tmp_path)
+    out, err = capsys.readouterr()
+    assert (tmp_path / report.SWEEP_CSV).is_file() and (tmp_path / report.SWEEP_JSON).is_file()
+    assert not (tmp_path / report.SWEEP_PNG).exists()
+    warnings = [line for line in err.splitlines() if line.strip()]
+    assert len(warnings) == 1 and 'pip install "perfrun[plot]"' in warnings[0]
+    assert "★" in out
+
+
+def test_sweep_callback_writes_and_never_raises(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from omegaconf import OmegaConf
+
+    make_sweep(tmp_path / "sweep")
+    SweepSummary().on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path / "sweep")}}}))
+    assert (tmp_path / "sweep" / report.SWEEP_PNG).read_bytes()[:4] == b"\x89PNG"
+    assert json.loads((tmp_path / "sweep" / report.SWEEP_JSON).read_text())["best"] == "1"
+    capsys.readouterr()
+    SweepSummary().on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path / "empty")}}}))
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and "no sweep summary" in err[0]
+
+
+def make_ablation(root: Path) -> None:
+    base = {10: 3.0, 20: 2.5, 30: 2.2, 40: 2.0, 50: 1.9}
+    make_job(root / "0", ["+ablation=baseline"], tps=1000.0, mem=200.0, losses=base, first_step=0.5)
+    make_job(root / "1", ["+ablation=bf16"], tps=1900.0, mem=120.0, first_step=0.6,
+             losses={k: v * 1.005 for k, v in base.items()})
+    # fp16 that derails: fine early, 10% worse at the end
+    make_job(root / "2", ["+ablation=fp16"], tps=2000.0, mem=120.0,
+             losses={k: v * (1.10 if k >= 50 else 1.0) for k, v in base.items()})
+    make_job(root / "3", ["+ablation=compile"], tps=2500.0, mem=180.0, first_step=30.0, losses=base)
+    make_job(root / "4", ["+ablation=checkpointing"], status="failed", tps=None, reason="planted failure")
+
+
+def test_ablation_ratios_and_loss_parity(tmp_path: Path) -> None:
+    make_ablation(tmp_path)
+    (a,) = report.load([tmp_path]).ablations
+    knobs = {k["knob"]: k for k in a["knobs"]}
+    assert a["baseline"] == "0" and a["loss_tol"] == report.DEFAULT_LOSS_TOL and a["device_name"] == "Test GPU 9000"
+    assert knobs["baseline"]["speedup"] == 1.0 and knobs["baseline"]["parity"] == "ok"
+    assert knobs["bf16"]["speedup"] == pytest.approx(1.9) and knobs["bf16"]["mem_ratio"] == pytest.approx(0.6)
+    assert knobs["bf16"]["loss_rel_diff"] == pytest.approx(0.005) and knobs["bf16"]["parity"] == "ok"
+    assert knobs["fp16"]["loss_rel_diff"] == pytest.approx(0.10) and knobs["fp16"]["parity"] == "EXCEEDED"
+    assert knobs["compile"]["first_step_s"] == 30.0 and knobs["compile"]["loss_rel_diff"] == 0.0
+    assert knobs["checkpointing"]["status"] == "failed" and knobs["checkpointing"]["parity"] == "n/a"
+    # a looser tolerance clears the flag; the tolerance is stated in the output
+    loose = report.load([tmp_path], loss_tol=0.2).ablations[0]
+    assert {k["knob"]: k["parity"] for k in loose["knobs"]}["fp16"] == "ok"
+    text = report.render_text(report.load([tmp_path]), width=220)
+    assert "tolerance ±2.0%" in text and "Test GPU 9000" in text
+    fp16_line = next(line for line in text.splitlines() if line.startswith("│ fp16"))
+    assert "EXCEEDED" in fp16_line and "1.90×" not in fp16_line and "2.00×" in fp16_line
+
+
+def test_ablation_without_a_baseline_says_so(tmp_path: Path) -> None:
+    make_job(tmp_path / "0", ["+ablation=bf16"])
+    (a,) = report.load([tmp_path]).ablations
+    assert a["baseline"] is None and "no completed baseline" in a["notes"][0]
+    assert all(k["speedup"] is None for k in a["knobs"])
+
+
+def test_a_baseline_with_knobs_on_is_called_out(tmp_path: Path) -> None:
+    make_job(tmp_path / "0", ["+ablation=baseline", "precision=bf16"],
+             knobs={"precision": "bf16", "compile": False, "checkpointing": "none", "cudnn_benchmark": False})
+    make_job(tmp_path / "1", ["+ablation=compile", "precision=bf16"])
+    (a,) = report.load([tmp_path]).ablations
+    assert any("not a baseline: precision=bf16" in n for n in a["notes"])

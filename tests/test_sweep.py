@@ -1,0 +1,128 @@
+"""Multirun sweeps end to end: a failed job (an invalid swept value, out of memory) does
+not stop the sweep, the sweep summary's rows are the jobs' summary.json, jobs in one
+process leave no state behind, ``perfrun report`` reproduces the callback's table, and
+the ablation preset composes the jobs it promises."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO, TINY_MODEL, run_cli
+from hydra import compose, initialize_config_dir
+
+from perfrun import report
+from perfrun.cli import config_dir, train_main
+from perfrun.config import register_configs
+
+QUICK = [*TINY_MODEL, "max_steps=6", "log_every=3", "eval_batches=1", "device=cpu", "progress=off",
+         "monitor.every_n_steps=0", "timing_warmup_steps=1"]
+
+
+def test_sweep_with_a_bad_value_goes_on_and_report_reproduces_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    sweep = tmp_path / "sweep"
+    r = run_cli("train", "-m", "dataloader.batch_size=0,2", *QUICK, f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    assert r.returncode == 1, r.stderr  # a job failed: the sweep says so at the end
+    assert "Traceback" not in r.stderr + r.stdout
+    assert "dataloader.batch_size=0 must be >= 1" in r.stderr and "1 job(s) of the sweep failed" in r.stderr
+
+    jobs = [json.loads((sweep / str(i) / "summary.json").read_text()) for i in range(2)]
+    assert [j["status"] for j in jobs] == ["failed", "completed"]
+    rows = list(csv.DictReader(io.StringIO((sweep / report.SWEEP_CSV).read_text())))
+    assert [row["job"] for row in rows] == ["0", "1"]
+    for row, job in zip(rows, jobs, strict=True):  # one source of truth: the jobs' summary.json
+        assert row["status"] == job["status"]
+        assert row["overrides"] == " ".join(job["overrides"])
+        for key in ("tokens_per_s", "peak_mem_mib", "final_train_loss"):
+            summary_key = "tokens_per_s_median" if key == "tokens_per_s" else key
+            assert (float(row[key]) if row[key] else None) == job.get(summary_key)
+    assert rows[0]["reason"] == jobs[0]["reason"] and [row["best"] for row in rows] == ["False", "True"]
+    data = json.loads((sweep / report.SWEEP_JSON).read_text())
+    assert data["swept_keys"] == ["dataloader.batch_size"] and data["best"] == "1"
+    assert (sweep / report.SWEEP_PNG).read_bytes()[:4] == b"\x89PNG"
+    # the failed job left the process as it found it
+    assert jobs[1]["global_state_at_start"] == jobs[0]["global_state_at_start"] == jobs[1]["global_state_after"]
+
+    # perfrun report reproduces the callback's files and table exactly
+    assert report.main([str(sweep), "--csv"]) == 0
+    assert capsys.readouterr().out == (sweep / report.SWEEP_CSV).read_text()
+    assert report.main([str(sweep), "--json"]) == 0
+    assert capsys.readouterr().out == (sweep / report.SWEEP_JSON).read_text()
+    table = report.render_text(report.load([sweep]), width=200)  # run_cli sets COLUMNS=200
+    assert table.strip() and table in r.stdout
+
+
+@pytest.fixture
+def restore_logging() -> Iterator[None]:
+    """An in-process Hydra app configures the root logger (console and train.log handlers)."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    for h in root.handlers:
+        if h not in handlers:
+            h.close()
+    root.handlers[:], root.level = handlers, level
+
+
+def test_out_of_memory_job_does_not_stop_the_sweep_nor_leak(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, restore_logging: None
+) -> None:
+    """Out of memory, simulated on the CPU: batch 4's forward raises torch.OutOfMemoryError.
+    The jobs before and after it, in the same process, must be identical."""
+    from perfrun.model import GPT
+
+    real_forward = GPT.forward
+
+    def forward(self, idx, targets=None):  # noqa: ANN001, ANN202
+        if idx.shape[0] >= 4:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real_forward(self, idx, targets)
+
+    monkeypatch.setattr(GPT, "forward", forward)
+    monkeypatch.chdir(tmp_path)
+    sweep = tmp_path / "sweep"
+    rc = train_main(["-m", "dataloader.batch_size=2,4,2", *QUICK, "log_every=1", f"hydra.sweep.dir={sweep}"])
+    assert rc == 1
+    jobs = [json.loads((sweep / str(i) / "summary.json").read_text()) for i in range(3)]
+    assert [j["status"] for j in jobs] == ["completed", "failed", "completed"]
+    assert jobs[1]["reason"].startswith("out of memory") and "dataloader.batch_size=4" in jobs[1]["reason"]
+    curves = [[json.loads(line)["loss"] for line in (sweep / str(i) / "metrics.jsonl").read_text().splitlines()
+               if json.loads(line)["kind"] == "train"] for i in (0, 2)]
+    assert curves[0] == curves[1] and len(curves[0]) == 6  # the job after the OOM is the job before it
+    assert jobs[0]["global_state_at_start"] == jobs[2]["global_state_at_start"] == jobs[2]["global_state_after"]
+    data = json.loads((sweep / report.SWEEP_JSON).read_text())
+    assert [row["status"] for row in data["rows"]] == ["completed", "failed", "completed"]
+
+
+def test_ablation_preset_composes_baseline_each_knob_and_all() -> None:
+    register_configs()
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+        params = compose("train", overrides=["+sweep=ablation"], return_hydra_config=True).hydra.sweeper.params
+        choices = params["+ablation"].split(",")
+        cfgs = {c: compose("train", overrides=[f"+ablation={c}"]) for c in choices}
+        default_seed = compose("train").seed
+    assert choices[0] == "baseline" and choices[-1] == "all"
+    assert sorted(p.stem for p in (REPO / "conf" / "ablation").glob("*.yaml")) == sorted(choices)
+
+    def knobs(cfg) -> dict:  # noqa: ANN001
+        return {"precision": cfg.precision.name, "compile": cfg.compile, "checkpointing": cfg.checkpointing.name,
+                "cudnn_benchmark": cfg.cudnn_benchmark, "num_workers": cfg.dataloader.num_workers}
+
+    base = knobs(cfgs["baseline"])
+    assert base == {"precision": "none", "compile": False, "checkpointing": "none", "cudnn_benchmark": False,
+                    "num_workers": 0}
+    changed = {c: {k for k, v in knobs(cfg).items() if v != base[k]} for c, cfg in cfgs.items()}
+    assert all(cfg.seed == default_seed for cfg in cfgs.values())  # same seed: same weights and data order
+    assert changed["bf16"] == changed["fp16"] == {"precision"}
+    assert changed["compile"] == {"compile"} and changed["checkpointing"] == {"checkpointing"}
+    assert changed["cudnn_benchmark"] == {"cudnn_benchmark"} and changed["dataloader"] == {"num_workers"}
+    assert changed["all"] == set(base)  # every knob at once
+    assert changed["baseline"] == set()
