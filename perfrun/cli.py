@@ -18,6 +18,8 @@ COMMANDS = {
     "gpu-check": "diagnose this machine and measure what it can do",
     "report": "the table and plot of runs or sweeps, after the fact (perfrun report PATH...)",
     "tune": "search batch size, checkpointing, compile and workers for the highest tokens/s",
+    "generate": "sample text from a checkpoint with a KV cache, and measure what the cache buys",
+    "export": "write a checkpoint as ONNX or safetensors (with the Hugging Face GPT-2 layout)",
 }
 _FAILED_JOBS: list[str] = []
 
@@ -203,6 +205,14 @@ def main(argv: list[str] | None = None) -> int:
         from perfrun.tune import main as tune_main
 
         return tune_main(rest)
+    if command == "generate":
+        from perfrun.generate import main as generate_main
+
+        return generate_main(rest)
+    if command == "export":
+        from perfrun.export import main as export_main
+
+        return export_main(rest)
     _error(f"unknown command {command!r}; the commands are {', '.join(COMMANDS)} (perfrun --help)")
     return 2
 

@@ -574,8 +574,7 @@ def _log_summary(s: dict[str, Any]) -> None:
     mfu = s.get("mfu_median")
     log.info(
         f"done: {f(s.get('tokens_per_s_median'), ',.0f')} tok/s (median of {s.get('steady_steps')} steady steps), "
-        f"MFU {f(None if mfu is None else 100 * mfu, '.1f')}%"
-        + ("" if mfu is not None else f" ({s.get('mfu_peak_source')})")
+        + (f"MFU {100 * mfu:.1f}%" if mfu is not None else f"MFU n/a ({s.get('mfu_peak_source')})")
         + f", peak mem {f(s.get('peak_mem_mib'), ',.0f')} MiB, data-wait {f(s.get('data_wait_pct'), '.1f')}%, "
         f"first step {f(s.get('first_step_s'), '.2f')} s, train loss {f(s.get('final_train_loss'), '.4f')}, "
         f"val loss {f(s.get('final_val_loss'), '.4f')}"
