@@ -124,6 +124,16 @@ class GuardConfig:
 
 
 @dataclass
+class ProfilerConfig:
+    start_step: int = 10  # steps skipped before the profiler warms up (steady state)
+    warmup: int = 2
+    active: int = 3  # steps recorded
+    record_shapes: bool = True
+    profile_memory: bool = False
+    snapshot_entries: int = 100000  # allocator events kept by memory_snapshot=true
+
+
+@dataclass
 class TrainConfig:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
@@ -150,6 +160,9 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     resume: str | None = None  # auto | a checkpoint file or folder | null
     guard: GuardConfig = field(default_factory=GuardConfig)
+    profile: bool = False  # torch.profiler over profiler.active steady-state steps
+    profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
+    memory_snapshot: bool = False  # CUDA allocator history for pytorch.org/memory_viz
 
 
 def register_configs() -> None:
@@ -256,6 +269,10 @@ def validate(cfg: Any) -> None:
     at_least("checkpoint.every_n_steps", 0)
     at_least("checkpoint.keep_last", 1)
     at_least("guard.max_bad_steps", 1)
+    at_least("profiler.start_step", 0)
+    at_least("profiler.warmup", 0)
+    at_least("profiler.active", 1)
+    at_least("profiler.snapshot_entries", 1)
 
     dl = cfg.dataloader
     if dl.prefetch_factor is not None:

@@ -32,6 +32,27 @@ def padded_vocab(vocab_size: int, multiple: int = 64) -> int:
     return ((vocab_size + multiple - 1) // multiple) * multiple
 
 
+@dataclass
+class KVCache:
+    """Keys and values of the tokens seen so far, per layer, preallocated to block_size.
+
+    Inference only (generation): the training forward never takes a cache, so its numerics
+    are untouched. ``length`` is how many positions are filled; the next tokens go at
+    positions ``length, length + 1, ...`` (learned absolute positions, so the cache can hold
+    at most ``block_size`` tokens: the caller re-fills it from a cropped context past that).
+    """
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+    length: int = 0
+
+    @classmethod
+    def empty(cls, cfg: GPTConfig, batch: int, device: torch.device | str, dtype: torch.dtype) -> KVCache:
+        shape = (batch, cfg.n_head, cfg.block_size, cfg.n_embd // cfg.n_head)
+        return cls([torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)],
+                   [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)])
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -63,6 +84,28 @@ class CausalSelfAttention(nn.Module):
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
+    def forward_cached(self, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int) -> torch.Tensor:
+        """Attention for new tokens at positions ``start..start+T-1``: their keys and values
+        are written into the cache, and each query attends to every cached position up to
+        its own (the causal rule of :meth:`forward`, over a longer key sequence)."""
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        end = start + T
+        k_cache[:, :, start:end] = k
+        v_cache[:, :, start:end] = v
+        keys, values = k_cache[:, :, :end], v_cache[:, :, :end]
+        if T == 1:  # one new token sees everything cached: no mask at all
+            y = F.scaled_dot_product_attention(q, keys, values)
+        elif start == 0:
+            y = F.scaled_dot_product_attention(q, keys, values, is_causal=True)
+        else:
+            rows = torch.arange(start, end, device=x.device).unsqueeze(1)
+            mask = torch.arange(end, device=x.device).unsqueeze(0) <= rows
+            y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.c_proj(y)
+
 
 class MLP(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
@@ -86,6 +129,10 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+    def forward_cached(self, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int) -> torch.Tensor:
+        x = x + self.attn.forward_cached(self.ln_1(x), k_cache, v_cache, start)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -142,3 +189,20 @@ class GPT(nn.Module):
         if targets is not None:
             loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
         return logits, loss
+
+    @torch.no_grad()
+    def forward_cached(self, idx: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Logits of the new tokens ``idx`` (B, T), which follow the ``cache.length`` tokens
+        already in ``cache``; the cache is extended in place. Inference only (no dropout,
+        no loss): generation feeds the prompt once, then one token per step."""
+        T = idx.size(1)
+        start = cache.length
+        if start + T > self.config.block_size:
+            raise ValueError(f"KV cache overflow: {start} cached + {T} new > block_size {self.config.block_size}")
+        pos = torch.arange(start, start + T, device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        for block, k, v in zip(self.blocks, cache.k, cache.v, strict=True):
+            x = block.forward_cached(x, k, v, start)
+        cache.length = start + T
+        return self.lm_head(self.ln_f(x))
+

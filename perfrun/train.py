@@ -31,8 +31,9 @@ from perfrun.guards import Diverged, GracefulStop, Interrupted, NonFiniteGuard
 from perfrun.knobs import Plan, apply_knobs
 from perfrun.model import GPT, GPTConfig, padded_vocab
 from perfrun.optim import build_optimizer, build_scheduler
+from perfrun.telemetry.profiling import attach_profiler, dump_memory_snapshot, start_memory_history
 from perfrun.telemetry.sinks import ConsoleReporter, JsonlSink, write_json_atomic
-from perfrun.telemetry.throughput import StepTimer, Throughput, median
+from perfrun.telemetry.throughput import PhaseTimer, StepTimer, Throughput, median
 
 log = logging.getLogger("perfrun")
 
@@ -169,6 +170,7 @@ def setup(cfg: Any, stack: ExitStack) -> Setup:
     if device.type == "cuda":
         torch.cuda.set_device(device)
         torch.cuda.empty_cache()
+    snapshot = start_memory_history(cfg, device, stack)
     seed_everything(cfg.seed)
     seq_len = cfg.data.seq_len or cfg.model.block_size
     data = build_datasets(cfg.data, seq_len, cfg.seed)
@@ -213,6 +215,7 @@ def setup(cfg: Any, stack: ExitStack) -> Setup:
         **peak_figures,
         "data": data.description,
         "batch_size_auto": auto_batch,
+        "memory_snapshot": snapshot,
     }
     log.info(
         f"model {m.name}: {notes['params'] / 1e6:.2f}M parameters, seq_len {seq_len}, "
@@ -300,6 +303,7 @@ def train_loop(cfg: Any, s: Setup, sink: JsonlSink, reporter: ConsoleReporter, m
     micro = plan.micro_steps
     stream = BatchStream(s.train_loader, start.epoch, start.consumed)
     timer = StepTimer(device)
+    phases = PhaseTimer(device)
     memory = MemoryTracker(device)
     guard = NonFiniteGuard(device, cfg.guard.max_bad_steps, scaler_skips=scaler is not None)
     tp = s.throughput
@@ -348,19 +352,23 @@ def train_loop(cfg: Any, s: Setup, sink: JsonlSink, reporter: ConsoleReporter, m
         for step in range(start.step + 1, cfg.max_steps + 1):
             t0 = time.perf_counter()
             wait = 0.0
+            phases.begin()
             step_loss = torch.zeros((), device=device)
             for _ in range(micro):
                 tw = time.perf_counter()
                 x, y = stream.next()
                 wait += time.perf_counter() - tw
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                phases.mark("data")
                 with plan.forward_context():
                     _, loss = model(x, y)
                     loss = loss / micro
+                phases.mark("forward")
                 if scaler is not None:
                     scaler.scale(loss).backward()
                 else:
                     loss.backward()
+                phases.mark("backward")
                 step_loss += loss.detach()
             if scaler is not None:
                 scaler.unscale_(opt)
@@ -372,7 +380,11 @@ def train_loop(cfg: Any, s: Setup, sink: JsonlSink, reporter: ConsoleReporter, m
                 opt.step()
             opt.zero_grad(set_to_none=True)
             sched.step()
+            phases.mark("optimizer")
+            phases.end()
             timer.step_end()
+            for hook in plan.step_hooks:
+                hook(step)
             loss_sum += step_loss
             guard.record(step, step_loss, grad_norm)
             host_wall.append(time.perf_counter() - t0)
@@ -385,6 +397,7 @@ def train_loop(cfg: Any, s: Setup, sink: JsonlSink, reporter: ConsoleReporter, m
 
             if step % cfg.log_every == 0 or step == cfg.max_steps or stop.requested:
                 timer.flush()
+                phases.flush()
                 n = done - i0
                 interval_time = sum(timer.durations[i0:done])
                 interval_tokens = n * tp.tokens_per_step
@@ -460,6 +473,7 @@ def train_loop(cfg: Any, s: Setup, sink: JsonlSink, reporter: ConsoleReporter, m
         "compile_s_estimate": (first_step_s - med) if (cfg.compile and first_step_s and med) else None,
         "final_train_loss": last_train_loss,
         "final_val_loss": last_val,
+        "step_breakdown": phases.summary(warm),
         "data_position": stream.position(),
         "checkpoints": saved,
         "guard": guard.summary(),
@@ -506,6 +520,7 @@ def run(cfg: Any, run_dir: Path | None, *, overrides: list[str] | None = None) -
                         raise ConfigError(f"resume={path} is at step {start.step}, already at max_steps={cfg.max_steps}; "
                                           f"raise max_steps to train further")
             summary["resumed_from"] = start.checkpoint
+            attach_profiler(cfg, device, s.plan, stack, run_dir if main else None)
             summary["setup_s"] = time.perf_counter() - t_start
             if cfg.monitor.every_n_steps > 0:
                 from perfrun.telemetry.monitor import Monitor
@@ -516,10 +531,15 @@ def run(cfg: Any, run_dir: Path | None, *, overrides: list[str] | None = None) -
                 try:
                     figures = train_loop(cfg, s, sink, reporter, monitor, start, ckpt_dir, stop)
                 except torch.OutOfMemoryError:
-                    raise RunFailed(_oom_message(cfg, device)) from None
+                    message = _oom_message(cfg, device)
+                    if s.notes["memory_snapshot"] and main:
+                        message += f"; allocator history in {dump_memory_snapshot(run_dir, 'out of memory')}"
+                    raise RunFailed(message) from None
                 except checkpoint.CheckpointWriteError as e:
                     raise RunFailed(str(e)) from None
             summary.update(figures)
+            if s.notes["memory_snapshot"] and main:
+                summary["memory_snapshot_path"] = dump_memory_snapshot(run_dir, "end of the job")
             if monitor is not None:
                 monitor.close()
                 summary["monitor"] = monitor.summary(figures["tokens"] - start.tokens)

@@ -55,6 +55,8 @@ CASES = [
     Case("flash attention on the CPU", ("train", "sdpa_backend=flash"), "runs only on CUDA"),
     Case("validation fraction out of range", ("train", "data.val_fraction=1.5"), "data.val_fraction=1.5"),
     Case("MFU peak that is not a number", ("train", "mfu.peak=fast"), "mfu.peak=fast"),
+    Case("memory snapshot on the CPU", ("train", "memory_snapshot=true"), "memory_snapshot=true records the CUDA allocator"),
+    Case("profiler window beyond max_steps", ("train", "profile=true"), "raise max_steps"),
     Case("sweep syntax without -m", ("train", "precision=bf16,fp16"), "Ambiguous value"),
     Case("unknown command", ("trian",), "unknown command 'trian'", small=False),
 ]

@@ -26,6 +26,7 @@ class Plan:
     micro_steps: int = 1
     scaler: torch.amp.GradScaler | None = None  # fp16 only
     contexts: list[Callable[[], AbstractContextManager[Any]]] = field(default_factory=list)
+    step_hooks: list[Callable[[int], None]] = field(default_factory=list)  # called after each step (profiler)
     notes: dict[str, Any] = field(default_factory=dict)  # what each knob did, for summary.json
 
     def forward_context(self) -> ExitStack:

@@ -8,6 +8,7 @@ only when the loop asks for them at a log point. On the CPU, perf_counter is exa
 from __future__ import annotations
 
 import time
+from array import array
 from dataclasses import dataclass, field
 
 import torch
@@ -84,3 +85,72 @@ def median(values: list[float]) -> float | None:
     s = sorted(values)
     n = len(s)
     return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+
+
+PHASES = ("data", "forward", "backward", "optimizer")
+
+
+class PhaseTimer:
+    """Where a step's time goes: data (waiting for and copying the batch), forward,
+    backward, optimizer (unscale, clip, step, schedule), summed over micro-steps.
+
+    Marks are CUDA events on the GPU (the device's own timeline, no synchronisation until
+    :meth:`flush`) and perf_counter on the CPU, like :class:`StepTimer`. Flushed figures
+    are kept as one float array per phase (8 bytes per step and phase).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._start = None
+        self._marks: list[tuple[str, object]] = []
+        self._pending: list[tuple[object, list[tuple[str, object]]]] = []
+        self.seconds: dict[str, array] = {p: array("d") for p in PHASES}
+
+    def _now(self):
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def _elapsed(self, a, b) -> float:
+        return a.elapsed_time(b) / 1000.0 if self.cuda else b - a
+
+    def begin(self) -> None:
+        self._start = self._now()
+        self._marks = []
+
+    def mark(self, phase: str) -> None:
+        """``phase`` just ended."""
+        self._marks.append((phase, self._now()))
+
+    def end(self) -> None:
+        self._pending.append((self._start, self._marks))
+        self._marks = []
+
+    def flush(self) -> None:
+        if self.cuda and self._pending and self._pending[-1][1]:
+            self._pending[-1][1][-1][1].synchronize()
+        for start, marks in self._pending:
+            out = dict.fromkeys(PHASES, 0.0)
+            prev = start
+            for phase, m in marks:
+                out[phase] += self._elapsed(prev, m)
+                prev = m
+            for p in PHASES:
+                self.seconds[p].append(out[p])
+        self._pending = []
+
+    def summary(self, skip: int) -> dict[str, object]:
+        """Median milliseconds per phase over the steps after ``skip``, and each one's share."""
+        self.flush()
+        if len(self.seconds["data"]) <= skip:
+            return {}
+        med = {p: median(list(self.seconds[p][skip:])) or 0.0 for p in PHASES}
+        total = sum(med.values())
+        return {
+            "method": "CUDA events on the device timeline" if self.cuda else "time.perf_counter",
+            "median_ms": {p: 1000 * v for p, v in med.items()},
+            "share_pct": {p: (100 * v / total if total else None) for p, v in med.items()},
+            "steps": len(self.seconds["data"]) - skip,
+        }
