@@ -9,11 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_cfg
 
 from perfrun.batch_size import LiveTensorMemory, NoBatchFits, search
 from perfrun.config import ConfigError, validate
 from perfrun.train import run
+
+from conftest import make_cfg
 
 
 @pytest.mark.parametrize("limit", [1, 2, 5, 37, 64, 1000])

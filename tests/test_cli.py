@@ -10,6 +10,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+
 from conftest import REPO, TINY_MODEL, run_cli
 
 

@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import make_cfg
 from perfrun.telemetry.throughput import PHASES
 from perfrun.train import run
+
+from conftest import make_cfg
 
 
 def test_profile_writes_a_trace_that_parses(tmp_path: Path) -> None:

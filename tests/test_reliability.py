@@ -16,14 +16,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from bad_input_cases import CASES, SMALL, make_fixtures
-from conftest import REPO, TINY_MODEL, make_cfg
 
 from perfrun import checkpoint
 from perfrun.cli import main as cli_main
 from perfrun.config import ConfigError
 from perfrun.model import GPT
 from perfrun.train import RunFailed, run
+
+from bad_input_cases import CASES, SMALL, make_fixtures
+from conftest import REPO, TINY_MODEL, make_cfg
 
 
 def losses_by_step(run_dir: Path) -> dict[int, float]:

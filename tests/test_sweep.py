@@ -14,12 +14,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, TINY_MODEL, run_cli
 from hydra import compose, initialize_config_dir
 
 from perfrun import report
 from perfrun.cli import config_dir, train_main
 from perfrun.config import register_configs
+
+from conftest import REPO, TINY_MODEL, run_cli
 
 QUICK = [*TINY_MODEL, "max_steps=6", "log_every=3", "eval_batches=1", "device=cpu", "progress=off",
          "monitor.every_n_steps=0", "timing_warmup_steps=1"]

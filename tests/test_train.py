@@ -10,11 +10,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import make_cfg
 
 from perfrun.config import ConfigError
 from perfrun.environment import global_state
 from perfrun.train import run
+
+from conftest import make_cfg
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

@@ -8,10 +8,11 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import TINY_MODEL
 
 from perfrun import report, tune
 from perfrun.tune import Candidate, Space, TrialResult, search
+
+from conftest import TINY_MODEL
 
 
 def planted(table: dict[Candidate, float | str]):  # noqa: ANN201
