@@ -221,6 +221,11 @@ def setup(cfg: Any, stack: ExitStack) -> Setup:
         f"model {m.name}: {notes['params'] / 1e6:.2f}M parameters, seq_len {seq_len}, "
         f"{tokens_per_step:,} tokens/step, device {device} ({device_name(device)})"
     )
+    sheet = peak_figures.get("datasheet_tflops")
+    log.info(
+        f"MFU peak: {f'{peak:,.1f} TFLOPS {dtype_name}' if peak else 'none'} ({peak_source})"
+        + (f"; datasheet {sheet:,.1f} TFLOPS" if sheet and sheet != peak else "")
+    )
     return Setup(device, plan, optimizer, scheduler, train_loader, val_loader, throughput, seq_len, notes)
 
 
