@@ -82,17 +82,33 @@ def save(folder: Path, step: int, state: dict[str, Any], keep_last: int) -> Path
         os.replace(tmp, final)
         tmp = None
         _fsync_dir(folder)
-    except OSError as e:
+    except BaseException as e:  # also a second Ctrl-C mid-write: never leave a partial file
         if tmp is not None:
             Path(tmp).unlink(missing_ok=True)
+        if not isinstance(e, OSError):
+            raise
         why = "the disk is full" if e.errno == errno.ENOSPC else (e.strerror or str(e))
+        previous = list_checkpoints(folder)
+        kept = f"the previous checkpoint {previous[-1].name} is intact" if previous else "no earlier checkpoint exists"
         raise CheckpointWriteError(
             f"could not save the checkpoint for step {step} in {folder}: {why}; free space or set "
-            "checkpoint.dir to a writable folder (the previous checkpoint is intact)"
+            f"checkpoint.dir to a writable folder ({kept})"
         ) from None
     for old in list_checkpoints(folder)[:-keep_last]:
         old.unlink(missing_ok=True)
     return final
+
+
+def check_writable(folder: Path) -> None:
+    """Fail at setup, not after hours of training, when checkpoints cannot be written."""
+    try:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise ConfigError(
+            f"checkpoint.dir={folder} is not writable ({e.strerror or e}); set checkpoint.dir to a writable folder"
+        ) from None
 
 
 def list_checkpoints(folder: Path) -> list[Path]:
@@ -121,10 +137,12 @@ def load(path: Path) -> dict[str, Any]:
     return ckpt
 
 
-def resolve(spec: str, run_dir: Path | None, ckpt_dir: Path | None) -> Path | None:
-    """``resume=auto``: the newest checkpoint in this run's folder, else in the newest sibling
-    run under the same outputs/ tree; None when there is none (the run starts fresh and
-    says so). Any other value is a checkpoint file or a folder of them."""
+def resolve(spec: str, ckpt_dir: Path | None) -> Path | None:
+    """``resume=auto``: the newest checkpoint in this run's checkpoint folder (a run
+    started again with the same ``hydra.run.dir``, or ``checkpoint.dir``); None when there
+    is none, and the run starts fresh and says so. It never looks into other runs: a
+    sweep's job must not pick up a sibling's weights. Any other value is a checkpoint
+    file or a folder of them."""
     if spec != "auto":
         p = Path(spec).expanduser()
         if p.is_dir():
@@ -133,15 +151,32 @@ def resolve(spec: str, run_dir: Path | None, ckpt_dir: Path | None) -> Path | No
                 raise ConfigError(f"resume={spec}: the folder holds no step_*.pt checkpoint; give a checkpoint file or resume=auto")
             return found[-1]
         return p
-    if ckpt_dir is not None and (found := list_checkpoints(ckpt_dir)):
-        return found[-1]
-    if run_dir is None:
-        return None
-    outputs = run_dir.parent.parent  # outputs/DATE/TIME -> outputs
-    candidates = [p for p in outputs.glob("*/*/checkpoints/step_*.pt") if _NAME.match(p.name)]
-    if not candidates:
-        return None
-    return max(candidates, key=lambda p: (p.stat().st_mtime, p.name))
+    found = list_checkpoints(ckpt_dir) if ckpt_dir is not None else []
+    return found[-1] if found else None
+
+
+# What must match for a resume to continue the same run exactly.
+RESUME_KEYS = ("seed", "data.name", "data.path", "data.seq_len", "dataloader.batch_size", "accumulation.steps")
+
+
+def _dotted(tree: dict[str, Any], key: str) -> Any:
+    for part in key.split("."):
+        tree = tree.get(part, {}) if isinstance(tree, dict) else {}
+    return tree if tree != {} else None
+
+
+def check_compatible(ckpt: dict[str, Any], shape: dict[str, int], config: dict[str, Any], path: Path) -> None:
+    """Refuse a checkpoint of another model shape, or of another data order (seed, data,
+    batch size, accumulation): resuming it could not continue the same run."""
+    check_shape(ckpt, shape, path)
+    saved = ckpt.get("config", {})
+    diff = [f"{k}={_dotted(saved, k)} vs {_dotted(config, k)}" for k in RESUME_KEYS
+            if _dotted(saved, k) != _dotted(config, k)]
+    if diff:
+        raise ConfigError(
+            f"resume={path} was made with other settings ({', '.join(diff)}: checkpoint vs this run); "
+            "resume with the checkpoint's values so that the data order continues exactly"
+        )
 
 
 def check_shape(ckpt: dict[str, Any], shape: dict[str, int], path: Path) -> None:

@@ -64,8 +64,9 @@ class NonFiniteGuard:
     """Counts non-finite steps without a synchronisation per step.
 
     Each step's flags (loss finite? gradient norm finite?) are computed on the device and
-    copied, non-blocking, to pinned host memory; they are read one step later, when that
-    copy has long finished, so the GPU queue is never drained for the check. With fp16
+    copied, non-blocking, to pinned host memory; a step's flags are read once its event has
+    completed (polled without waiting) or at the next log point, so the GPU queue is never
+    drained for the check; a divergence is seen at the latest one log interval late. With fp16
     the gradient scaler already skips steps with inf/NaN gradients: those are counted as
     skipped, and only a non-finite loss counts toward stopping. Otherwise any non-finite
     loss or gradient counts, and ``max_bad`` in a row raise :class:`Diverged`.
@@ -81,26 +82,26 @@ class NonFiniteGuard:
         self.streak = 0
         self.max_streak = 0
         self.first_bad_step: int | None = None
-        self._pending: tuple[int, torch.Tensor, Any] | None = None
+        self._pending: list[tuple[int, torch.Tensor, Any]] = []
 
     def record(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
         flags = torch.stack([~torch.isfinite(loss.detach().float()), ~torch.isfinite(grad_norm.detach().float())])
-        if self.lagged:
-            host = torch.empty(2, dtype=torch.bool, pin_memory=True)
-            host.copy_(flags, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            previous, self._pending = self._pending, (step, host, event)
-            if previous is not None:
-                self._resolve(previous)
-        else:
+        if not self.lagged:
             self._count(step, bool(flags[0]), bool(flags[1]))
+            return
+        host = torch.empty(2, dtype=torch.bool, pin_memory=True)
+        host.copy_(flags, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._pending.append((step, host, event))
+        # Resolve, oldest first, only what the device has already finished: never wait.
+        while self._pending and self._pending[0][2].query():
+            self._resolve(self._pending.pop(0))
 
     def flush(self) -> None:
-        """Resolve the pending step now (before a checkpoint, at the end)."""
-        if self._pending is not None:
-            pending, self._pending = self._pending, None
-            self._resolve(pending)
+        """Resolve every pending step now (at log points, before a checkpoint, at the end)."""
+        while self._pending:
+            self._resolve(self._pending.pop(0))
 
     def _resolve(self, pending: tuple[int, torch.Tensor, Any]) -> None:
         step, host, event = pending

@@ -340,7 +340,8 @@ def train_loop(cfg: Any, s: Setup, sink: JsonlSink, reporter: ConsoleReporter, m
         state = {
             "model": plan.raw_model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
             "scaler": scaler.state_dict() if scaler is not None else None, "rng": capture_rng(),
-            "data": stream.position(), "tokens": total_tokens, "model_shape": model_shape(s),
+            "data": stream.position(), "tokens": start.tokens + len(host_wall) * tp.tokens_per_step,
+            "model_shape": model_shape(s),
             "config": OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(cfg),
         }
         path = checkpoint.save(ckpt_dir, step, state, cfg.checkpoint.keep_last)
@@ -403,6 +404,7 @@ def train_loop(cfg: Any, s: Setup, sink: JsonlSink, reporter: ConsoleReporter, m
             if step % cfg.log_every == 0 or step == cfg.max_steps or stop.requested:
                 timer.flush()
                 phases.flush()
+                guard.flush()
                 n = done - i0
                 interval_time = sum(timer.durations[i0:done])
                 interval_tokens = n * tp.tokens_per_step
@@ -510,13 +512,19 @@ def run(cfg: Any, run_dir: Path | None, *, overrides: list[str] | None = None) -
             summary["environment"] = environment(device)
             ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else (run_dir / "checkpoints" if run_dir else None)
             start = Start()
+            if ckpt_dir is not None and main:
+                checkpoint.check_writable(ckpt_dir)
+            if stop.requested:  # Ctrl-C or SIGTERM during setup: nothing to save yet
+                raise Interrupted(stop.signum, f"stopped by {signal.Signals(stop.signum).name} during setup, before step 1")
             if cfg.resume:
-                path = checkpoint.resolve(str(cfg.resume), run_dir, ckpt_dir)
+                path = checkpoint.resolve(str(cfg.resume), ckpt_dir)
                 if path is None:
-                    log.warning("resume=auto: no checkpoint found under this run's outputs; starting from step 0")
+                    log.warning(f"resume=auto: no checkpoint in {ckpt_dir}; starting from step 0 "
+                                "(to continue a run, start it with the same hydra.run.dir or checkpoint.dir)")
                 else:
                     ckpt = checkpoint.load(path)
-                    checkpoint.check_shape(ckpt, model_shape(s), path)
+                    config = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(cfg)
+                    checkpoint.check_compatible(ckpt, model_shape(s), config, path)
                     start = restore(s, ckpt)
                     start.checkpoint = str(path)
                     del ckpt
@@ -562,6 +570,10 @@ def run(cfg: Any, run_dir: Path | None, *, overrides: list[str] | None = None) -
     except (ConfigError, RunFailed) as e:
         summary["status"] = "failed"
         summary["reason"] = str(e)
+        raise
+    except Interrupted as e:
+        summary["status"] = "interrupted"
+        summary.setdefault("reason", str(e))
         raise
     except KeyboardInterrupt:
         summary["status"] = "interrupted"

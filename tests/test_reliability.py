@@ -69,6 +69,34 @@ def test_resume_auto_finds_the_latest_in_the_run_dir(tmp_path: Path) -> None:
     assert fresh["resumed_from"] is None and fresh["start_step"] == 0  # nothing to resume: a fresh start, said in the log
 
 
+def test_checkpoint_counts_tokens_between_log_points(tmp_path: Path) -> None:
+    s = run(make_cfg("max_steps=6", "log_every=4", "checkpoint.every_n_steps=3"), tmp_path)
+    ckpt = checkpoint.load(tmp_path / "checkpoints" / "step_0000003.pt")
+    assert ckpt["tokens"] == 3 * s["tokens_per_step"]
+    resumed = run(make_cfg("max_steps=6", "log_every=4", f"resume={tmp_path / 'checkpoints' / 'step_0000003.pt'}"),
+                  tmp_path / "resumed")
+    assert resumed["tokens"] == s["tokens"] == 6 * s["tokens_per_step"]
+
+
+def test_resume_refuses_another_data_order(tmp_path: Path) -> None:
+    run(make_cfg("max_steps=2"), tmp_path / "a")
+    with pytest.raises(ConfigError, match=r"other settings \(seed=1337 vs 7"):
+        run(make_cfg("max_steps=4", "seed=7", f"resume={tmp_path / 'a' / 'checkpoints'}"), tmp_path / "b")
+
+
+def test_resume_auto_never_takes_a_sibling_runs_checkpoint(tmp_path: Path) -> None:
+    run(make_cfg("max_steps=2"), tmp_path / "outputs" / "multirun" / "0")
+    s = run(make_cfg("max_steps=2", "resume=auto"), tmp_path / "outputs" / "multirun" / "1")
+    assert s["resumed_from"] is None and s["start_step"] == 0
+
+
+def test_unwritable_checkpoint_dir_fails_before_training(tmp_path: Path) -> None:
+    (tmp_path / "a-file").write_text("x")
+    with pytest.raises(ConfigError, match="checkpoint.dir=.*a-file/ck is not writable"):
+        run(make_cfg("max_steps=2", f"checkpoint.dir={tmp_path / 'a-file' / 'ck'}"), tmp_path / "run")
+    assert not (tmp_path / "run" / "metrics.jsonl").read_text()
+
+
 def test_resume_refuses_another_model_shape(tmp_path: Path) -> None:
     run(make_cfg("max_steps=2"), tmp_path / "a")
     with pytest.raises(ConfigError, match="another model shape .*n_embd 32 vs 64"):
@@ -87,7 +115,7 @@ def test_full_disk_during_save_keeps_the_previous_checkpoint(tmp_path: Path, mon
         return real_save(obj, f, *a, **k)
 
     monkeypatch.setattr(checkpoint.torch, "save", filling_disk)
-    with pytest.raises(RunFailed, match="the disk is full.*previous checkpoint is intact"):
+    with pytest.raises(RunFailed, match="the disk is full.*previous checkpoint step_0000002.pt is intact"):
         run(make_cfg("max_steps=6", "checkpoint.every_n_steps=2"), tmp_path)
     files = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert files == ["step_0000002.pt"]  # no partial file, the good one intact
