@@ -459,6 +459,9 @@ def train_loop(cfg: Any, s: Setup, sink: JsonlSink, reporter: ConsoleReporter, m
         monitor.attach_step_times(start.step + 1, timer.durations, warmup=warm)
     steady = timer.durations[warm:]
     steady_wall = host_wall[warm:]
+    if not steady:
+        log.warning(f"no steady-state steps: all {len(timer.durations)} steps ran within timing_warmup_steps={warm}, "
+                    "so the summary has no tokens/s or MFU; raise max_steps or lower timing_warmup_steps")
     med = median(steady)
     tps_median = tp.tokens_per_step / med if med else None
     return {

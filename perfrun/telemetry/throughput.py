@@ -7,9 +7,10 @@ only when the loop asks for them at a log point. On the CPU, perf_counter is exa
 
 from __future__ import annotations
 
+import statistics
 import time
 from array import array
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -68,7 +69,6 @@ class Throughput:
     flops_per_token: int
     peak_tflops: float | None  # None: MFU is not reported (reason in peak_source)
     peak_source: str
-    steady: list[float] = field(default_factory=list)
 
     def tokens_per_s(self, seconds: float, steps: int) -> float:
         return self.tokens_per_step * steps / seconds if seconds > 0 else 0.0
@@ -80,11 +80,8 @@ class Throughput:
 
 
 def median(values: list[float]) -> float | None:
-    if not values:
-        return None
-    s = sorted(values)
-    n = len(s)
-    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+    """statistics.median, or None where there is nothing to take it of."""
+    return statistics.median(values) if values else None
 
 
 PHASES = ("data", "forward", "backward", "optimizer")
