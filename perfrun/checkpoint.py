@@ -2,15 +2,13 @@
 
 A checkpoint holds only tensors, numbers, strings, lists and dicts, so it loads with
 ``torch.load(weights_only=True)``: a checkpoint from a stranger cannot run code. It is
-written to a temporary file in the same folder, flushed and fsynced, then renamed over
-the final name, so a crash (even ``kill -9``) mid-write never leaves a half file where
-a good one was; the folder is fsynced too, so the rename itself survives a power cut.
+written through :func:`perfrun.atomic.atomic_write`: a crash (even ``kill -9``) mid-write
+never leaves a half file where a good one was.
 """
 
 from __future__ import annotations
 
 import errno
-import os
 import random
 import re
 import tempfile
@@ -21,6 +19,7 @@ import numpy as np
 import torch
 
 from perfrun import __version__
+from perfrun.atomic import atomic_write
 from perfrun.config import ConfigError
 
 FORMAT = 1
@@ -58,35 +57,14 @@ def restore_rng(state: dict[str, Any]) -> None:
             torch.cuda.set_rng_state_all(saved)
 
 
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def save(folder: Path, step: int, state: dict[str, Any], keep_last: int) -> Path:
     """Write ``step_NNNNNNN.pt`` atomically into ``folder``; keep the newest ``keep_last``."""
     folder = Path(folder)
     final = folder / f"step_{step:07d}.pt"
     payload = {"format": FORMAT, "perfrun_version": __version__, "step": step, **state}
-    tmp: str | None = None
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=folder)
-        with os.fdopen(fd, "wb") as f:
-            torch.save(payload, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-        tmp = None
-        _fsync_dir(folder)
-    except BaseException as e:  # also a second Ctrl-C mid-write: never leave a partial file
-        if tmp is not None:
-            Path(tmp).unlink(missing_ok=True)
-        if not isinstance(e, OSError):
-            raise
+        atomic_write(final, lambda f: torch.save(payload, f))
+    except OSError as e:
         why = "the disk is full" if e.errno == errno.ENOSPC else (e.strerror or str(e))
         previous = list_checkpoints(folder)
         kept = f"the previous checkpoint {previous[-1].name} is intact" if previous else "no earlier checkpoint exists"

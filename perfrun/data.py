@@ -29,7 +29,6 @@ import os
 import signal
 import sys
 import sysconfig
-import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -40,6 +39,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, SequentialSampler
 
+from perfrun.atomic import atomic_write
 from perfrun.config import ConfigError
 
 __all__ = [
@@ -519,19 +519,7 @@ def _is_val(rel: str, val_fraction: float) -> bool:
 
 
 def _atomic_write(path: Path, data: bytes | memoryview) -> None:
-    """Write via a temp file in the same folder, fsync, then rename: all or nothing."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    atomic_write(path, data)
 
 
 def _read_meta(folder: Path) -> dict[str, Any] | None:

@@ -40,7 +40,6 @@ import math
 import os
 import re
 import sys
-import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -49,6 +48,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text  # cells from files are shown as written, never read as rich markup
+
+from perfrun.atomic import atomic_write
 
 SUMMARY = "summary.json"
 METRICS = "metrics.jsonl"
@@ -561,16 +562,8 @@ def _draw(report: Report) -> bytes:
 
 
 def write_atomic(path: Path, data: bytes | str) -> None:
-    """Temporary file beside ``path``, then rename: no half-written file replaces a good one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data.encode() if isinstance(data, str) else data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """No half-written file ever replaces a good one (see perfrun.atomic)."""
+    atomic_write(path, data)
 
 
 def warn(message: str) -> None:

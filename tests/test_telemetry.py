@@ -518,11 +518,10 @@ def test_cache_write_is_atomic(tmp_path, monkeypatch):
     peaks.store_measured("dev", "fp32", result)
     good = (tmp_path / "peaks.json").read_text()
 
-    def broken_dump(*a, **k):
-        a[1].write('{"half": ')
+    def disk_full(fd):  # the bytes were written, the flush to disk fails
         raise OSError("disk full")
 
-    monkeypatch.setattr(peaks.json, "dump", broken_dump)
+    monkeypatch.setattr("perfrun.atomic.os.fsync", disk_full)
     with pytest.raises(OSError, match="disk full"):
         peaks.store_measured("dev", "bf16", result)
     assert (tmp_path / "peaks.json").read_text() == good

@@ -14,7 +14,6 @@ import json
 import os
 import re
 import statistics
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from perfrun.atomic import atomic_write
 
 # --- the datasheet table ----------------------------------------------------------------
 
@@ -316,20 +317,7 @@ def load_cache(path: Path | None = None) -> dict[str, Any]:
 
 
 def _write_atomic(path: Path, data: dict[str, Any]) -> None:
-    """Write to a temporary file beside ``path`` and rename it over: never a half file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".peaks.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2, sort_keys=True)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    atomic_write(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 @contextlib.contextmanager

@@ -6,9 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +19,8 @@ from rich.progress import (
     TimeElapsedColumn,
     TimeRemainingColumn,
 )
+
+from perfrun.atomic import atomic_write
 
 log = logging.getLogger("perfrun")
 
@@ -37,20 +37,8 @@ def _clean(obj: Any) -> Any:
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
-    """Write to a temporary file beside ``path``, fsync, then rename over it."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(_clean(obj), f, indent=2, default=str)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """summary.json and friends: all or nothing (perfrun.atomic)."""
+    atomic_write(path, json.dumps(_clean(obj), indent=2, default=str) + "\n")
 
 
 class JsonlSink:
