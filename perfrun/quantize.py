@@ -153,7 +153,7 @@ class Int8Report:
             f"{self.float_tokens_per_s:.1f} tokens/s, int8 {self.int8_tokens_per_s:.1f} tokens/s "
             f"({self.int8_tokens_per_s / self.float_tokens_per_s:.2f}x)",
             f"  val loss ({self.val_tokens:,} tokens of the checkpoint's val split): float "
-            f"{self.float_val_loss:.4f}, int8 {self.int8_val_loss:.4f} ({100 * self.loss_rel_diff:.2f}% apart)",
+            f"{self.float_val_loss:.4f}, int8 {self.int8_val_loss:.4f} ({100 * self.loss_rel_diff:.2g}% apart)",
         ]
 
 
