@@ -46,10 +46,12 @@ def test_checkpoint_contents_load_with_weights_only(tmp_path: Path) -> None:
     assert not list((tmp_path / "checkpoints").glob("*.tmp"))
 
 
-@pytest.mark.parametrize("extra", [[], ["model.dropout=0.1", "accumulation.steps=2"]])
+@pytest.mark.parametrize("extra", [[], ["model.dropout=0.1", "accumulation.steps=2"], ["precision=bf16"],
+                                   ["precision=fp16"]])
 def test_resume_is_bit_exact(tmp_path: Path, extra: list[str]) -> None:
     """Stopped at step 10 and resumed, the run's losses at steps 11-20 equal the
-    uninterrupted run's bit for bit (CPU, fp32), dropout's random masks included."""
+    uninterrupted run's bit for bit on the CPU: fp32, with dropout's random masks and
+    accumulation, and under bf16 and fp16 autocast (the gradient scaler's state included)."""
     common = ["max_steps=20", "log_every=1", "dataloader.batch_size=8", *extra]
     full = run(make_cfg(*common, "checkpoint.every_n_steps=10", "checkpoint.keep_last=5"), tmp_path / "full")
     ckpt = tmp_path / "full" / "checkpoints" / "step_0000010.pt"
