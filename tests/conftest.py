@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,16 @@ def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
 def _cache_dir(tmp_path_factory: pytest.TempPathFactory) -> None:
     """One data cache for the whole session, out of the user's home."""
     os.environ["PERFRUN_CACHE"] = str(tmp_path_factory.mktemp("perfrun-cache"))
+
+
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    """Tiny models run fastest on one thread, and a second process on this 2-core box
+    (a parallel test run) makes two OpenMP threads spin against it (100x slower)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def make_cfg(*overrides: str, tiny: bool = True) -> Any:

@@ -4,7 +4,6 @@ atomic writes, one line for bad input."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,14 +21,7 @@ from conftest import REPO, make_cfg
 ONNX_ATOL = export_mod.DEFAULT_ATOL  # fp32 logits in both runtimes; only summation order differs
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    """Tiny models run fastest on one thread, and a second process on this 2-core box
-    (a parallel test run) makes two OpenMP threads spin against it (100x slower)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

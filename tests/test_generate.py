@@ -3,7 +3,6 @@ uncached sampling give the same tokens, int8 stays close to float, bad input get
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,14 +20,7 @@ from conftest import REPO, make_cfg
 KV_ATOL = 1e-5
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    """Tiny models run fastest on one thread, and a second process on this 2-core box
-    (a parallel test run) makes two OpenMP threads spin against it (100x slower)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_checkpoint(folder: Path) -> Path:
