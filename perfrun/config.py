@@ -338,7 +338,7 @@ def validate(cfg: Any) -> None:
             "checkpointing=selective needs checkpointing.every_k>=1 (checkpoint every k-th block)"
         )
 
-    _check_distributed(cfg)
+    check_distributed(cfg)
 
     peak = str(cfg.mfu.peak)
     if peak not in ("datasheet", "measured"):
@@ -352,13 +352,16 @@ def validate(cfg: Any) -> None:
             )
 
 
-def _check_distributed(cfg: Any) -> None:
+def check_distributed(cfg: Any) -> None:
     """distributed and nproc against how this process was started (torchrun sets the
     WORLD_SIZE and LOCAL_WORLD_SIZE environment variables; a plain process has neither)."""
     import os
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    if cfg.distributed not in _CHOICES["distributed"]:
+        raise ConfigError(f"distributed={cfg.distributed} is not an option; choose one of "
+                          f"{', '.join(_CHOICES['distributed'])}")
     if cfg.nproc < 1:
         raise ConfigError(f"nproc={cfg.nproc} must be >= 1; set nproc=1 or the number of processes to start")
     if cfg.distributed == "none":
