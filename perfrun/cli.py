@@ -100,6 +100,20 @@ def _preflight(args: list[str]) -> tuple[str | None, Any]:
     return _unwritable(Path(run_dir)), cfg
 
 
+def validate_job(composed: Any, launching: int | None = None) -> None:
+    """The job's configuration without Hydra's own node, checked as run() will check it;
+    ``launching``: as the ranks of the torchrun of that many processes about to start."""
+    from omegaconf import OmegaConf
+
+    from perfrun.config import check_distributed, validate
+
+    job = OmegaConf.masked_copy(composed, [k for k in composed if k != "hydra"])
+    if launching:
+        job.nproc = 1  # checked just below against the world it will have
+        check_distributed(composed, world=launching)
+    validate(job)
+
+
 def _arg_value(args: list[str], key: str) -> str | None:
     """The last ``key=value`` on the command line (the one Hydra applies)."""
     found = [a.split("=", 1)[1] for a in args if a.startswith(f"{key}=")]
@@ -213,14 +227,19 @@ def train_main(args: list[str]) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     distributed = composed.distributed if composed is not None else _arg_value(args, "distributed")
     nproc = composed.nproc if composed is not None else _arg_value(args, "nproc")
-    if world == 1 and distributed == "ddp" and str(nproc).isdigit() and int(nproc) > 1:
-        return _launch_torchrun(args, int(nproc))
+    several = world > 1 or (distributed == "ddp" and str(nproc).isdigit() and int(nproc) > 1)
     if composed is not None:
-        try:
-            check_distributed(composed)
+        try:  # several processes: refuse a bad value once, here, rather than once per rank
+            if several:
+                validate_job(composed, int(nproc) if world == 1 else None)
+            else:
+                check_distributed(composed)
         except ConfigError as e:
-            _error(str(e))
+            if os.environ.get("RANK", "0") == "0":
+                _error(str(e))
             return 2
+    if world == 1 and several:
+        return _launch_torchrun(args, int(nproc))
     if world > 1:
         if distributed != "ddp":
             _error(f"torchrun started {world} processes but distributed={distributed}; add distributed=ddp")

@@ -352,13 +352,17 @@ def validate(cfg: Any) -> None:
             )
 
 
-def check_distributed(cfg: Any) -> None:
+def check_distributed(cfg: Any, world: int | None = None) -> None:
     """distributed and nproc against how this process was started (torchrun sets the
-    WORLD_SIZE and LOCAL_WORLD_SIZE environment variables; a plain process has neither)."""
+    WORLD_SIZE and LOCAL_WORLD_SIZE environment variables; a plain process has neither).
+    ``world``: the size of the torchrun this process is about to start instead."""
     import os
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    if world is None:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    else:
+        local = world
     if cfg.distributed not in _CHOICES["distributed"]:
         raise ConfigError(f"distributed={cfg.distributed} is not an option; choose one of "
                           f"{', '.join(_CHOICES['distributed'])}")

@@ -108,6 +108,9 @@ def test_resume_under_ddp_is_exact(ddp_run: Path) -> None:
     (["nproc=2"], "nproc=2 needs distributed=ddp"),
     (["distributed=ddp", "nproc=0"], "nproc=0 must be >= 1"),
     (["distributed=fsdp"], "distributed=fsdp is not an option"),
+    # refused before torchrun starts: one line, not one per rank
+    (["distributed=ddp", "nproc=2", "model.n_embd=33"], "model.n_embd=33 is not divisible by model.n_head=2"),
+    (["distributed=ddp", "nproc=2", "dataloader.batch_size=auto"], "batch_size=auto is not supported with distributed=ddp"),
 ])
 def test_bad_distributed_input_gets_one_line(args: list[str], says: str, tmp_path: Path) -> None:
     p = run_cli("train", *COMMON, *args, cwd=tmp_path)
