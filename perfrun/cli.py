@@ -12,6 +12,7 @@ import importlib.util
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 COMMANDS = {
     "train": "train a GPT with the knobs you choose (a Hydra app: perfrun train --help)",
@@ -80,12 +81,14 @@ def _one_line(exc: BaseException) -> str:
     return f"{first} (perfrun train --help lists the groups and options)"
 
 
-def _preflight(args: list[str]) -> str | None:
+def _preflight(args: list[str]) -> tuple[str | None, Any]:
     """Compose a single run's configuration before Hydra does, so that a wrong option,
     key or type gets one line instead of Hydra's page. Flags (``-m``, ``--cfg``...) and
-    sweeps are left to Hydra, which reports those errors itself."""
+    sweeps are left to Hydra, which reports those errors itself.
+
+    Returns (the problem or None, the composed configuration or None)."""
     if any(a.startswith("-") for a in args):
-        return None
+        return None, None
     from hydra import compose, initialize_config_dir
 
     try:
@@ -93,8 +96,104 @@ def _preflight(args: list[str]) -> str | None:
             cfg = compose("train", overrides=args, return_hydra_config=True)
             run_dir = str(cfg.hydra.run.dir)
     except Exception as e:  # noqa: BLE001 - every composition error is the user's input
-        return _one_line(e)
-    return _unwritable(Path(run_dir))
+        return _one_line(e), None
+    return _unwritable(Path(run_dir)), cfg
+
+
+def validate_job(composed: Any, launching: int | None = None) -> None:
+    """The job's configuration without Hydra's own node, checked as run() will check it;
+    ``launching``: as the ranks of the torchrun of that many processes about to start."""
+    from omegaconf import OmegaConf
+
+    from perfrun.config import check_distributed, validate
+
+    job = OmegaConf.masked_copy(composed, [k for k in composed if k != "hydra"])
+    if launching:
+        job.nproc = 1  # checked just below against the world it will have
+        check_distributed(composed, world=launching)
+    validate(job)
+
+
+def _arg_value(args: list[str], key: str) -> str | None:
+    """The last ``key=value`` on the command line (the one Hydra applies)."""
+    found = [a.split("=", 1)[1] for a in args if a.startswith(f"{key}=")]
+    return found[-1] if found else None
+
+
+def _hydra_dirs(args: list[str]) -> tuple[str, str]:
+    """hydra.run.dir and hydra.sweep.dir resolved once, here: their ``${now:...}`` is read
+    at this moment, so every rank handed these strings writes into the same folder."""
+    from hydra import compose, initialize_config_dir
+
+    plain = [a for a in args if not a.startswith("-")]
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3", job_name="train"):
+        try:
+            cfg = compose("train", overrides=plain, return_hydra_config=True)
+        except Exception:  # noqa: BLE001 - a sweep's a=1,2 does not compose; the dirs need only hydra.*
+            cfg = compose("train", overrides=[a for a in plain if a.startswith("hydra.")], return_hydra_config=True)
+        return str(cfg.hydra.run.dir), str(cfg.hydra.sweep.dir)
+
+
+def _quoted(value: str) -> str:
+    """A path as a Hydra override value (quoted, so ``=``, ``,`` or spaces stay literal)."""
+    return f"'{value}'" if "'" not in value else value
+
+
+def _dir_overrides(run_dir: str, sweep_dir: str) -> list[str]:
+    return [f"hydra.run.dir={_quoted(run_dir)}", f"hydra.sweep.dir={_quoted(sweep_dir)}"]
+
+
+# Ranks other than 0 write nothing and print only warnings and errors: no .hydra/, no
+# log file, no sweep summary (rank 0 writes each once, into the folder all ranks share).
+QUIET_RANK = [
+    "hydra.output_subdir=null",
+    "~hydra.job_logging.handlers.file",
+    "hydra.job_logging.root.handlers=[console]",
+    "hydra.job_logging.root.level=WARNING",
+    "hydra.hydra_logging.root.level=WARNING",
+    "~hydra.callbacks.sweep_summary",
+]
+
+
+def _launch_torchrun(args: list[str], nproc: int) -> int:
+    """``perfrun train distributed=ddp nproc=N``: start N ranks through torchrun, with the
+    run dir (and sweep dir) resolved once here and handed to all of them."""
+    import signal
+    import subprocess
+
+    cmd = [sys.executable, "-m", "perfrun.launch", "--standalone", f"--nproc_per_node={nproc}",
+           "-m", "perfrun", "train", *args, *_dir_overrides(*_hydra_dirs(args))]
+    proc = subprocess.Popen(cmd)
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: proc.send_signal(signum))  # torchrun forwards it
+    try:
+        while True:
+            try:
+                return proc.wait()
+            except KeyboardInterrupt:  # Ctrl-C reached torchrun and the ranks too; they stop themselves
+                continue
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _join_torchrun(args: list[str], composed: Any) -> list[str]:
+    """Under torchrun: make the process group now, before Hydra, so that rank 0 can hand
+    every rank its run dir; ranks other than 0 are quietened. Returns the extra overrides."""
+    import torch
+
+    from perfrun import distributed
+
+    cpu = str(composed.device if composed is not None else _arg_value(args, "device")) == "cpu"
+    distributed.init_from_env("cuda" if torch.cuda.is_available() and not cpu else "cpu")
+    dirs: tuple[str, str] | None = None
+    if distributed.rank() == 0:
+        try:
+            dirs = _hydra_dirs(args)
+        except Exception:  # noqa: BLE001 - reported below, on every rank, instead of a hang
+            dirs = None
+    dirs = distributed.from_rank0(dirs)
+    if dirs is None:
+        raise SystemExit("perfrun: error: rank 0 could not resolve hydra.run.dir; run perfrun train --cfg hydra")
+    return _dir_overrides(*dirs) + (QUIET_RANK if distributed.rank() != 0 else [])
 
 
 def _unwritable(run_dir: Path) -> str | None:
@@ -116,21 +215,54 @@ def _unwritable(run_dir: Path) -> str | None:
 
 
 def train_main(args: list[str]) -> int:
-    """Run the Hydra app with ``args`` as its command line."""
+    """Run the Hydra app with ``args`` as its command line; with ``distributed=ddp
+    nproc=N`` start torchrun instead, and under torchrun agree on the run dir first."""
+    from perfrun.config import ConfigError, check_distributed, register_configs
+
+    register_configs()
+    problem, composed = _preflight(args)
+    if problem is not None:
+        _error(problem)
+        return 2
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    distributed = composed.distributed if composed is not None else _arg_value(args, "distributed")
+    nproc = composed.nproc if composed is not None else _arg_value(args, "nproc")
+    several = world > 1 or (distributed == "ddp" and str(nproc).isdigit() and int(nproc) > 1)
+    if composed is not None:
+        try:  # several processes: refuse a bad value once, here, rather than once per rank
+            if several:
+                validate_job(composed, int(nproc) if world == 1 else None)
+            else:
+                check_distributed(composed)
+        except ConfigError as e:
+            if os.environ.get("RANK", "0") == "0":
+                _error(str(e))
+            return 2
+    if world == 1 and several:
+        return _launch_torchrun(args, int(nproc))
+    if world > 1:
+        if distributed != "ddp":
+            _error(f"torchrun started {world} processes but distributed={distributed}; add distributed=ddp")
+            return 2
+        from perfrun import distributed as dist
+
+        try:
+            return _run_app(args + _join_torchrun(args, composed))
+        finally:
+            dist.destroy()
+    return _run_app(args)
+
+
+def _run_app(args: list[str]) -> int:
+    """The Hydra app, with ``args`` as its command line."""
     import hydra
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
     from omegaconf import DictConfig
 
-    from perfrun.config import ConfigError, register_configs
+    from perfrun.config import ConfigError
     from perfrun.guards import Interrupted
     from perfrun.train import RunFailed, run
-
-    register_configs()
-    problem = _preflight(args)
-    if problem is not None:
-        _error(problem)
-        return 2
 
     @hydra.main(version_base="1.3", config_path=config_dir(), config_name="train")
     def app(cfg: DictConfig) -> None:

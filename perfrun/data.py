@@ -634,11 +634,18 @@ class ResumableSampler(Sampler[int]):
 
     This is what makes resume exact: the trainer records (epoch, samples consumed) and a
     resumed run rebuilds the same order from there, without replaying earlier epochs.
+
+    Under DDP each of ``world`` ranks takes every ``world``-th index from ``start`` on
+    (``start`` counts samples of all ranks), so batch k of the ranks together is batch k of
+    one process with a batch ``world`` times as large: the global order does not depend on
+    the number of ranks. The tail is cut to a multiple of ``world`` so that every rank has
+    as many batches as the others (a rank that ran out first would wait forever).
     """
 
-    def __init__(self, n: int, seed: int) -> None:
+    def __init__(self, n: int, seed: int, rank: int = 0, world: int = 1) -> None:
         self.n = n
         self.seed = seed
+        self.rank, self.world = rank, world
         self.epoch = 0
         self.start = 0
 
@@ -648,10 +655,11 @@ class ResumableSampler(Sampler[int]):
     def __iter__(self) -> Iterator[int]:
         g = torch.Generator().manual_seed(self.seed + self.epoch)
         order = torch.randperm(self.n, generator=g)[self.start:]
+        order = order[: len(order) - len(order) % self.world][self.rank::self.world]
         return iter(order.tolist())
 
     def __len__(self) -> int:
-        return self.n - self.start
+        return (self.n - self.start) // self.world
 
 
 def _worker_init(worker_id: int) -> None:
@@ -661,7 +669,7 @@ def _worker_init(worker_id: int) -> None:
 
 
 def build_loader(
-    dataset: Dataset, dl_cfg: Any, *, device_type: str, shuffle: bool, seed: int
+    dataset: Dataset, dl_cfg: Any, *, device_type: str, shuffle: bool, seed: int, rank: int = 0, world: int = 1
 ) -> DataLoader:
     """A DataLoader whose order depends on ``seed`` only (not on batch size or workers).
 
@@ -670,22 +678,28 @@ def build_loader(
     own generator for the workers' base seed, so creating an iterator (e.g. for each eval)
     never draws from torch's global RNG and cannot perturb training randomness.
 
+    ``rank``/``world`` shard the order (see :class:`ResumableSampler`), the validation
+    order too, so that the ranks' mean val loss is the one-process figure.
+
     A training loader (``shuffle=True``) with fewer sequences than one batch is a
     ConfigError: it would yield nothing, forever. A validation loader is allowed to be
     empty; the trainer warns that there is no val loss and trains on.
     """
     batch_size = int(dl_cfg.batch_size)
     n = len(dataset)  # type: ignore[arg-type]
-    if shuffle and n < batch_size:
+    if shuffle and n < batch_size * world:
         raise ConfigError(
-            f"dataloader.batch_size={batch_size} is larger than the {n} training sequences, "
-            f"so the loader would yield no batch; set dataloader.batch_size<={max(n, 1)}, "
+            f"dataloader.batch_size={batch_size}" + (f" x {world} ranks" if world > 1 else "")
+            + f" is larger than the {n} training sequences, "
+            f"so the loader would yield no batch; set dataloader.batch_size<={max(n // world, 1)}, "
             "use more data or a smaller data.seq_len"
         )
     workers = int(dl_cfg.num_workers)
-    sampler = (
-        ResumableSampler(n, int(seed)) if shuffle else SequentialSampler(dataset)
+    sampler: Any = (
+        ResumableSampler(n, int(seed), rank, world) if shuffle else SequentialSampler(dataset)
     )
+    if not shuffle and world > 1:  # batch k of all ranks = batch k of one process, as for training
+        sampler = list(range(n - n % world))[rank::world]
     kwargs: dict[str, Any] = {}
     if workers > 0:
         kwargs["persistent_workers"] = bool(dl_cfg.persistent_workers)

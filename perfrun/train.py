@@ -22,7 +22,7 @@ import psutil
 import torch
 from omegaconf import OmegaConf
 
-from perfrun import checkpoint
+from perfrun import checkpoint, distributed
 from perfrun.checkpoint import capture_rng, restore_rng
 from perfrun.config import ConfigError, validate
 from perfrun.data import build_datasets, build_loader
@@ -66,6 +66,20 @@ def resolve_device(spec: str) -> torch.device:
     return torch.device("cuda", index)
 
 
+def _ddp_device(cfg: Any, device: torch.device) -> torch.device:
+    """Under DDP each process of a machine owns the GPU of its LOCAL_RANK."""
+    if device.type != "cuda":
+        return device
+    index = distributed.local_rank()
+    if cfg.device not in ("auto", "cuda") and int(__import__("os").environ.get("WORLD_SIZE", "1")) > 1:
+        raise ConfigError(f"device={cfg.device} with distributed=ddp: each rank takes cuda:LOCAL_RANK; "
+                          "set device=auto or device=cuda")
+    if index >= torch.cuda.device_count():
+        raise ConfigError(f"LOCAL_RANK={index} but this machine has {torch.cuda.device_count()} CUDA device(s); "
+                          "start at most that many processes per node")
+    return torch.device("cuda", index)
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
@@ -105,12 +119,13 @@ class BatchStream:
     """Endless batches from a resumable position: (epoch, samples consumed in it).
 
     The position counts what the loop took, not what workers prefetched, so a checkpoint
-    taken between steps resumes on exactly the next batch.
+    taken between steps resumes on exactly the next batch. Under DDP it counts the samples
+    of all ranks (each takes one batch per call), the unit the sharded sampler starts from.
     """
 
     def __init__(self, loader: torch.utils.data.DataLoader, epoch: int = 0, consumed: int = 0) -> None:
         self.loader = loader
-        self.batch_size = int(loader.batch_size)
+        self.batch_size = int(loader.batch_size) * getattr(loader.sampler, "world", 1)
         self.epoch, self.consumed = epoch, consumed
         loader.sampler.set_position(epoch, consumed)
         self._it = iter(loader)
@@ -167,6 +182,11 @@ def setup(cfg: Any, stack: ExitStack) -> Setup:
     """Everything before the first step: validated config, data, model, knobs, optimizer."""
     validate(cfg)
     device = resolve_device(cfg.device)
+    if cfg.distributed == "ddp":
+        device = _ddp_device(cfg, device)
+        if distributed.ensure_group(device):
+            stack.callback(distributed.destroy)
+    rank, world = distributed.rank(), distributed.world_size()
     if device.type == "cuda":
         torch.cuda.set_device(device)
         torch.cuda.empty_cache()
@@ -192,13 +212,15 @@ def setup(cfg: Any, stack: ExitStack) -> Setup:
         auto_batch = resolve_auto_batch(cfg, device, plan, optimizer, len(data.train), seq_len, data.vocab_size)
         cfg.dataloader.batch_size = auto_batch["batch_size"]
 
-    train_loader = build_loader(data.train, cfg.dataloader, device_type=device.type, shuffle=True, seed=cfg.seed)
-    val_loader = build_loader(data.val, cfg.dataloader, device_type=device.type, shuffle=False, seed=cfg.seed)
+    train_loader = build_loader(data.train, cfg.dataloader, device_type=device.type, shuffle=True, seed=cfg.seed,
+                                rank=rank, world=world)
+    val_loader = build_loader(data.val, cfg.dataloader, device_type=device.type, shuffle=False, seed=cfg.seed,
+                              rank=rank, world=world)
 
     dtype_name = mfu_dtype(cfg, device)
     peak, peak_source, peak_figures = resolve_peak(cfg, device, dtype_name)
-    tokens_per_step = cfg.dataloader.batch_size * seq_len * plan.micro_steps
-    throughput = Throughput(tokens_per_step, model.flops_per_token(seq_len), peak, peak_source)
+    tokens_per_step = cfg.dataloader.batch_size * seq_len * plan.micro_steps * world  # all ranks together
+    throughput = Throughput(tokens_per_step, model.flops_per_token(seq_len), peak, peak_source, world)
     notes = {
         "knobs": plan.notes,
         "fused_adamw": fused,
@@ -220,6 +242,7 @@ def setup(cfg: Any, stack: ExitStack) -> Setup:
     log.info(
         f"model {m.name}: {notes['params'] / 1e6:.2f}M parameters, seq_len {seq_len}, "
         f"{tokens_per_step:,} tokens/step, device {device} ({device_name(device)})"
+        + (f", {world} ranks (DDP, {cfg.dataloader.batch_size * world} sequences per micro-step in all)" if world > 1 else "")
     )
     sheet = peak_figures.get("datasheet_tflops")
     log.info(
@@ -250,7 +273,7 @@ def evaluate(s: Setup, batches: int) -> float | None:
     if not losses:
         log.warning("validation set holds less than one batch: no val loss (lower dataloader.batch_size or raise data.val_fraction)")
         return None
-    return torch.stack(losses).mean().item()
+    return distributed.mean_over_ranks(torch.stack(losses).mean()).item()  # each rank saw its shard
 
 
 def _oom_message(cfg: Any, device: torch.device) -> str:
@@ -332,7 +355,7 @@ def train_loop(cfg: Any, s: Setup, sink: JsonlSink, reporter: ConsoleReporter, m
         if ckpt_dir is None:
             return
         guard.flush()
-        if guard.streak:
+        if distributed.any_rank(bool(guard.streak), device):
             log.warning(f"step {step}: not saving a checkpoint of a non-finite state; the last good one stays")
             return
         timer.flush()
@@ -344,7 +367,15 @@ def train_loop(cfg: Any, s: Setup, sink: JsonlSink, reporter: ConsoleReporter, m
             "model_shape": model_shape(s),
             "config": OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(cfg),
         }
-        path = checkpoint.save(ckpt_dir, step, state, cfg.checkpoint.keep_last)
+        path, error = None, None
+        if distributed.rank() == 0:  # one writer; every rank holds the same weights
+            try:
+                path = checkpoint.save(ckpt_dir, step, state, cfg.checkpoint.keep_last)
+            except checkpoint.CheckpointWriteError as e:
+                error = str(e)
+        path, error = distributed.from_rank0((path, error))  # a barrier: no rank runs ahead of the file
+        if error is not None:
+            raise checkpoint.CheckpointWriteError(error)
         saved.append(str(path))
         ckpt_time += time.perf_counter() - t
         sink.write({"kind": "checkpoint", "step": step, "path": str(path), "save_s": time.perf_counter() - t})
@@ -360,21 +391,22 @@ def train_loop(cfg: Any, s: Setup, sink: JsonlSink, reporter: ConsoleReporter, m
             wait = 0.0
             phases.begin()
             step_loss = torch.zeros((), device=device)
-            for _ in range(micro):
+            for i in range(micro):
                 tw = time.perf_counter()
                 x, y = stream.next()
                 wait += time.perf_counter() - tw
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
                 phases.mark("data")
-                with plan.forward_context():
-                    _, loss = model(x, y)
-                    loss = loss / micro
-                phases.mark("forward")
-                if scaler is not None:
-                    scaler.scale(loss).backward()
-                else:
-                    loss.backward()
-                phases.mark("backward")
+                with plan.micro_step_context(i, micro):  # DDP: all-reduce on the last micro-step only
+                    with plan.forward_context():
+                        _, loss = model(x, y)
+                        loss = loss / micro
+                    phases.mark("forward")
+                    if scaler is not None:
+                        scaler.scale(loss).backward()
+                    else:
+                        loss.backward()
+                    phases.mark("backward")
                 step_loss += loss.detach()
             if scaler is not None:
                 scaler.unscale_(opt)
@@ -400,8 +432,9 @@ def train_loop(cfg: Any, s: Setup, sink: JsonlSink, reporter: ConsoleReporter, m
                 timer.flush()
                 first_step_s = time.perf_counter() - t_loop
             reporter.advance(step)
+            stopping = distributed.any_rank(stop.requested, device)  # every rank stops at the same step
 
-            if step % cfg.log_every == 0 or step == cfg.max_steps or stop.requested:
+            if step % cfg.log_every == 0 or step == cfg.max_steps or stopping:
                 timer.flush()
                 phases.flush()
                 guard.flush()
@@ -411,7 +444,7 @@ def train_loop(cfg: Any, s: Setup, sink: JsonlSink, reporter: ConsoleReporter, m
                 total_time += interval_time
                 total_tokens += interval_tokens
                 tps = tp.tokens_per_s(interval_time, n)
-                last_train_loss = loss_sum.item() / n
+                last_train_loss = distributed.mean_over_ranks(loss_sum).item() / n  # the global batch's loss
                 wall = sum(host_wall[i0:done])
                 record = {
                     "kind": "train", "step": step, "max_steps": cfg.max_steps, "loss": last_train_loss,
@@ -433,8 +466,8 @@ def train_loop(cfg: Any, s: Setup, sink: JsonlSink, reporter: ConsoleReporter, m
                 sink.write({"kind": "monitor", "step": step, **stats})
                 reporter.monitor(step, stats)
 
-            if stop.requested:
-                interrupted_by = stop.signum
+            if stopping:
+                interrupted_by = stop.signum or int(signal.SIGTERM)  # another rank got the signal first
                 save_checkpoint(step)
                 break
             if cfg.checkpoint.every_n_steps and step % cfg.checkpoint.every_n_steps == 0 and step != cfg.max_steps:
@@ -463,7 +496,7 @@ def train_loop(cfg: Any, s: Setup, sink: JsonlSink, reporter: ConsoleReporter, m
         log.warning(f"no steady-state steps: all {len(timer.durations)} steps ran within timing_warmup_steps={warm}, "
                     "so the summary has no tokens/s or MFU; raise max_steps or lower timing_warmup_steps")
     med = median(steady)
-    tps_median = tp.tokens_per_step / med if med else None
+    tps_median = tp.tokens_per_step / med if med else None  # rank 0's step time; all ranks' tokens
     return {
         "steps": step,
         "start_step": start.step,
@@ -476,6 +509,8 @@ def train_loop(cfg: Any, s: Setup, sink: JsonlSink, reporter: ConsoleReporter, m
         "steady_steps": len(steady),
         "tokens_per_s_median": tps_median,
         "tokens_per_s_mean": tp.tokens_per_s(sum(steady), len(steady)) if steady else None,
+        "tokens_per_s_per_rank_median": tps_median / tp.world if tps_median else None,
+        "world_size": tp.world,
         "mfu_median": tp.mfu(tps_median) if tps_median else None,
         "peak_mem_mib": memory.peak_mib(),
         "peak_mem_source": memory.source,

@@ -9,7 +9,7 @@ in the same process starts as if it were the first. The loop only sees the plan.
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import AbstractContextManager, ExitStack
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +28,8 @@ class Plan:
     contexts: list[Callable[[], AbstractContextManager[Any]]] = field(default_factory=list)
     step_hooks: list[Callable[[int], None]] = field(default_factory=list)  # called after each step (profiler)
     notes: dict[str, Any] = field(default_factory=dict)  # what each knob did, for summary.json
+    # Entered around forward and backward of micro-step i of n (DDP: no_sync but the last).
+    micro_step_context: Callable[[int, int], AbstractContextManager[Any]] = lambda i, n: nullcontext()
 
     def forward_context(self) -> ExitStack:
         """Enter every knob's context (autocast, SDPA backend) for one forward pass."""
@@ -38,11 +40,11 @@ class Plan:
 
 
 def apply_knobs(cfg: Any, device: torch.device, model: nn.Module, stack: ExitStack) -> Plan:
-    """Apply every knob in a fixed order: backends, precision, checkpointing, compile."""
-    from perfrun.knobs import backends, checkpointing, compile, precision
+    """Apply every knob in a fixed order: backends, precision, checkpointing, ddp, compile."""
+    from perfrun.knobs import backends, checkpointing, compile, ddp, precision
 
     plan = Plan(model=model, raw_model=model, micro_steps=int(cfg.accumulation.steps))
     plan.notes["accumulation_steps"] = plan.micro_steps
-    for knob in (backends, precision, checkpointing, compile):
+    for knob in (backends, precision, checkpointing, ddp, compile):
         knob.apply(cfg, device, plan, stack)
     return plan

@@ -63,12 +63,18 @@ class StepTimer:
 
 @dataclass
 class Throughput:
-    """Turns step times into tokens/s and MFU; one source for the FLOPs and the peak."""
+    """Turns step times into tokens/s and MFU; one source for the FLOPs and the peak.
+
+    ``tokens_per_step`` counts every rank's tokens, so tokens/s is the total of the job;
+    MFU is per device (the total divided by ``world`` against one device's peak), which is
+    what the datasheet peak and gpu-check's measurement describe.
+    """
 
     tokens_per_step: int
     flops_per_token: int
     peak_tflops: float | None  # None: MFU is not reported (reason in peak_source)
     peak_source: str
+    world: int = 1
 
     def tokens_per_s(self, seconds: float, steps: int) -> float:
         return self.tokens_per_step * steps / seconds if seconds > 0 else 0.0
@@ -76,7 +82,7 @@ class Throughput:
     def mfu(self, tokens_per_s: float) -> float | None:
         if not self.peak_tflops:
             return None
-        return self.flops_per_token * tokens_per_s / (self.peak_tflops * 1e12)
+        return self.flops_per_token * tokens_per_s / self.world / (self.peak_tflops * 1e12)
 
 
 def median(values: list[float]) -> float | None:

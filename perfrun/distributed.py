@@ -1,0 +1,100 @@
+"""The process group and the few collectives the trainer needs, for a world of any size.
+
+A single process is rank 0 of a world of one, and every helper here is then a no-op, so
+the trainer calls them unconditionally. Under torchrun (``WORLD_SIZE`` > 1) the group is
+usually made by :func:`perfrun.cli.train_main` before Hydra starts, so that rank 0 can
+hand every rank the same run dir; :func:`ensure_group` makes it otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+
+def backend_for(device_type: str) -> str:
+    """NCCL between GPUs, gloo between CPU processes."""
+    return "nccl" if device_type == "cuda" else "gloo"
+
+
+def local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def active() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank() -> int:
+    return dist.get_rank() if active() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if active() else 1
+
+
+def init_from_env(device_type: str) -> None:
+    """Join torchrun's group (env:// rendezvous: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE)."""
+    if device_type == "cuda":
+        torch.cuda.set_device(local_rank())
+    dist.init_process_group(backend_for(device_type))
+
+
+def ensure_group(device: torch.device) -> bool:
+    """Make the group if nobody has; True when this call made it (and must destroy it).
+
+    Without torchrun this is a world of one on an in-memory store: DDP then runs its
+    real code path (hooks, no_sync) with nothing to talk to, which tests use.
+    """
+    if active():
+        return False
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        init_from_env(device.type)
+    else:
+        dist.init_process_group(backend_for(device.type), store=dist.HashStore(), rank=0, world_size=1)
+    return True
+
+
+def destroy() -> None:
+    if active():
+        dist.destroy_process_group()
+
+
+def from_rank0(obj: Any) -> Any:
+    """Rank 0's ``obj`` on every rank (a barrier too)."""
+    if not active() or world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """True on every rank when it is True on one: ranks must stop at the same step."""
+    if not active() or world_size() == 1:
+        return flag
+    t = torch.tensor([1 if flag else 0], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def mean_over_ranks(t: torch.Tensor) -> torch.Tensor:
+    """The average of ``t`` over ranks (a loss summed per rank -> the global batch's loss)."""
+    if not active() or world_size() == 1:
+        return t
+    t = t.detach().clone()
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t / world_size()
+
+
+def no_sync_factory(ddp_model: Any) -> Callable[[int, int], AbstractContextManager[Any]]:
+    """Micro-step i of n skips DDP's gradient all-reduce unless it is the last one."""
+
+    def context(i: int, n: int) -> AbstractContextManager[Any]:
+        return ddp_model.no_sync() if i < n - 1 else nullcontext()
+
+    return context

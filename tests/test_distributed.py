@@ -1,0 +1,119 @@
+"""DDP on the CPU with gloo, 2 processes started by torchrun: the same losses as one
+process with the same global batch, one run dir written by rank 0 only, exact resume.
+
+Each torchrun start costs ~5 s of imports on 2 cores, so the runs are shared by module
+fixtures and kept to a few steps of a tiny model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from perfrun.data import ResumableSampler
+from perfrun.train import run
+
+from conftest import REPO, TINY_MODEL, make_cfg, run_cli
+
+# float32 sums in another order (two half-batch means averaged by the all-reduce, against
+# one mean over the whole batch): equal to ~1e-7 relative; 1e-5 leaves room.
+TOL = 1e-5
+STEPS = 6
+COMMON = [*TINY_MODEL, f"max_steps={STEPS}", "log_every=1", "eval_every=0", "eval_batches=2", "device=cpu",
+          "progress=off", "monitor.every_n_steps=0", "optim.warmup_steps=2", "accumulation.steps=2"]
+
+
+def torchrun(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200"}
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         "-m", "perfrun", "train", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r["loss"] for r in map(json.loads, lines) if r["kind"] == "train"}
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """2 ranks x batch 2 through ``perfrun train distributed=ddp nproc=2`` (which starts
+    torchrun), no hydra.run.dir: the parent resolves outputs/DATE/TIME once for both."""
+    cwd = tmp_path_factory.mktemp("ddp")
+    p = run_cli("train", *COMMON, "distributed=ddp", "nproc=2", "dataloader.batch_size=2",
+                "checkpoint.every_n_steps=3", "checkpoint.keep_last=5", cwd=cwd, timeout=120)
+    assert p.returncode == 0, p.stderr
+    return cwd
+
+
+def test_sampler_shards_union_to_the_one_process_order() -> None:
+    one = list(ResumableSampler(101, 7))
+    ranks = [list(ResumableSampler(101, 7, r, 2)) for r in range(2)]
+    assert len(ranks[0]) == len(ranks[1]) == 50  # the odd tail is cut: no rank has a batch more
+    for k in range(25):  # batch k (2 per rank) of both ranks = batch k (4) of one process
+        assert sorted(ranks[0][2 * k:2 * k + 2] + ranks[1][2 * k:2 * k + 2]) == sorted(one[4 * k:4 * k + 4])
+    s = ResumableSampler(101, 7, 1, 2)
+    s.set_position(0, 40)  # a global position: 40 samples of all ranks taken
+    assert list(s) == ranks[1][20:]
+
+
+def test_two_ranks_match_one_process_with_the_same_global_batch(ddp_run: Path, tmp_path: Path) -> None:
+    (run_dir,) = [p.parent for p in ddp_run.glob("outputs/*/*/summary.json")]
+    one = run(make_cfg(*COMMON, "dataloader.batch_size=4"), tmp_path)
+    a, b = losses(tmp_path), losses(run_dir)
+    assert sorted(a) == sorted(b) == list(range(1, STEPS + 1))
+    assert all(abs(a[k] - b[k]) <= TOL * abs(a[k]) for k in a), (a, b)
+    s = json.loads((run_dir / "summary.json").read_text())
+    assert s["status"] == "completed" and s["world_size"] == 2 and s["knobs"]["distributed"] == "ddp"
+    assert s["tokens_per_step"] == one["tokens_per_step"]  # all ranks' tokens
+    assert s["tokens_per_s_per_rank_median"] == pytest.approx(s["tokens_per_s_median"] / 2)
+    assert abs(s["final_val_loss"] - one["final_val_loss"]) <= TOL * one["final_val_loss"]  # sharded val, averaged
+
+
+def test_only_rank_0_writes_into_one_run_dir(ddp_run: Path) -> None:
+    files = sorted(str(p.relative_to(ddp_run)) for p in ddp_run.rglob("*") if p.is_file() and "resume" not in p.parts)
+    (run_dir,) = {Path(f).parts[:3] for f in files}  # everything under one outputs/DATE/TIME
+    names = sorted(str(Path(*Path(f).parts[3:])) for f in files)
+    assert names == [".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml",
+                     "checkpoints/step_0000003.pt", "checkpoints/step_0000006.pt",
+                     "metrics.jsonl", "summary.json", "train.log"]
+    lines = (ddp_run.joinpath(*run_dir) / "metrics.jsonl").read_text().splitlines()
+    assert len([r for r in map(json.loads, lines) if r["kind"] == "train"]) == STEPS  # one writer, no duplicates
+
+
+def test_resume_under_ddp_is_exact(ddp_run: Path) -> None:
+    (run_dir,) = [p.parent for p in ddp_run.glob("outputs/*/*/summary.json")]
+    ckpt = run_dir / "checkpoints" / "step_0000003.pt"
+    cwd = ddp_run / "resume"
+    cwd.mkdir()
+    # raw torchrun, no hydra.run.dir: rank 0 resolves the run dir and broadcasts it
+    p = torchrun(cwd, *COMMON, "distributed=ddp", "dataloader.batch_size=2", f"resume={ckpt}")
+    assert p.returncode == 0, p.stderr
+    (resumed,) = [p.parent for p in cwd.rglob("summary.json")]
+    assert not (resumed / "checkpoints" / "step_0000003.pt").exists()
+    assert len(list(cwd.rglob("metrics.jsonl"))) == 1 and len(list(cwd.glob("outputs/*/*"))) == 1
+    a, b = losses(run_dir), losses(resumed)
+    assert sorted(b) == list(range(4, STEPS + 1))
+    assert [a[k] for k in b] == [b[k] for k in b]  # same ranks, same order: bit for bit
+    s = json.loads((resumed / "summary.json").read_text())
+    assert s["start_step"] == 3 and s["data_position"] == json.loads((run_dir / "summary.json").read_text())["data_position"]
+
+
+@pytest.mark.parametrize("args, says", [
+    (["nproc=2"], "nproc=2 needs distributed=ddp"),
+    (["distributed=ddp", "nproc=0"], "nproc=0 must be >= 1"),
+    (["distributed=fsdp"], "distributed=fsdp is not an option"),
+    # refused before torchrun starts: one line, not one per rank
+    (["distributed=ddp", "nproc=2", "model.n_embd=33"], "model.n_embd=33 is not divisible by model.n_head=2"),
+    (["distributed=ddp", "nproc=2", "dataloader.batch_size=auto"], "batch_size=auto is not supported with distributed=ddp"),
+])
+def test_bad_distributed_input_gets_one_line(args: list[str], says: str, tmp_path: Path) -> None:
+    p = run_cli("train", *COMMON, *args, cwd=tmp_path)
+    lines = [line for line in p.stderr.splitlines() if line.strip()]
+    assert p.returncode == 2 and len(lines) == 1 and says in lines[0], p.stderr
+    assert not (tmp_path / "outputs").exists()
