@@ -9,8 +9,9 @@ hand every rank the same run dir; :func:`ensure_group` makes it otherwise.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
