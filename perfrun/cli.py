@@ -22,6 +22,9 @@ COMMANDS = {
     "generate": "sample text from a checkpoint with a KV cache, and measure what the cache buys",
     "export": "write a checkpoint as ONNX or safetensors (with the Hugging Face GPT-2 layout)",
 }
+# The other commands: each module's main(argv) -> exit code, imported only when used.
+_MODULES = {"gpu-check": "perfrun.gpucheck", "report": "perfrun.report", "tune": "perfrun.tune",
+            "generate": "perfrun.generate", "export": "perfrun.export"}
 _FAILED_JOBS: list[str] = []
 
 
@@ -325,26 +328,10 @@ def main(argv: list[str] | None = None) -> int:
         return train_main(argv)
     if command == "train":
         return train_main(rest)
-    if command == "gpu-check":
-        from perfrun.gpucheck import main as gpucheck_main
+    if command in _MODULES:
+        import importlib
 
-        return gpucheck_main(rest)
-    if command == "report":
-        from perfrun.report import main as report_main
-
-        return report_main(rest)
-    if command == "tune":
-        from perfrun.tune import main as tune_main
-
-        return tune_main(rest)
-    if command == "generate":
-        from perfrun.generate import main as generate_main
-
-        return generate_main(rest)
-    if command == "export":
-        from perfrun.export import main as export_main
-
-        return export_main(rest)
+        return importlib.import_module(_MODULES[command]).main(rest)
     _error(f"unknown command {command!r}; the commands are {', '.join(COMMANDS)} (perfrun --help)")
     return 2
 

@@ -38,11 +38,19 @@ def world_size() -> int:
     return dist.get_world_size() if active() else 1
 
 
+# A CPU (gloo) group beside NCCL for the per-step stop flag, so that agreeing on it never
+# drains the GPU queue; None where the main group is gloo already.
+_control: Any = None
+
+
 def init_from_env(device_type: str) -> None:
     """Join torchrun's group (env:// rendezvous: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE)."""
+    global _control
     if device_type == "cuda":
         torch.cuda.set_device(local_rank())
     dist.init_process_group(backend_for(device_type))
+    if device_type == "cuda":  # host-side flags travel over gloo: no GPU synchronisation
+        _control = dist.new_group(backend="gloo")
 
 
 def ensure_group(device: torch.device) -> bool:
@@ -61,8 +69,10 @@ def ensure_group(device: torch.device) -> bool:
 
 
 def destroy() -> None:
+    global _control
     if active():
         dist.destroy_process_group()
+    _control = None
 
 
 def from_rank0(obj: Any) -> Any:
@@ -74,12 +84,15 @@ def from_rank0(obj: Any) -> Any:
     return box[0]
 
 
-def any_rank(flag: bool, device: torch.device) -> bool:
-    """True on every rank when it is True on one: ranks must stop at the same step."""
+def any_rank(flag: bool) -> bool:
+    """True on every rank when it is True on one: ranks must stop at the same step.
+
+    A host tensor over a gloo group: called after every step, it must not synchronise the
+    GPU (a CUDA tensor over NCCL would, through ``.item()``)."""
     if not active() or world_size() == 1:
         return flag
-    t = torch.tensor([1 if flag else 0], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    t = torch.tensor([1 if flag else 0])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_control)
     return bool(t.item())
 
 

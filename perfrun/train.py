@@ -355,7 +355,7 @@ def train_loop(cfg: Any, s: Setup, sink: JsonlSink, reporter: ConsoleReporter, m
         if ckpt_dir is None:
             return
         guard.flush()
-        if distributed.any_rank(bool(guard.streak), device):
+        if distributed.any_rank(bool(guard.streak)):
             log.warning(f"step {step}: not saving a checkpoint of a non-finite state; the last good one stays")
             return
         timer.flush()
@@ -432,7 +432,7 @@ def train_loop(cfg: Any, s: Setup, sink: JsonlSink, reporter: ConsoleReporter, m
                 timer.flush()
                 first_step_s = time.perf_counter() - t_loop
             reporter.advance(step)
-            stopping = distributed.any_rank(stop.requested, device)  # every rank stops at the same step
+            stopping = distributed.any_rank(stop.requested)  # every rank stops at the same step
 
             if step % cfg.log_every == 0 or step == cfg.max_steps or stopping:
                 timer.flush()

@@ -15,6 +15,19 @@ from dataclasses import dataclass
 import torch
 
 
+def now_mark(cuda: bool):
+    """A point in time: a recorded CUDA event on the device's timeline, or perf_counter."""
+    if cuda:
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+    return time.perf_counter()
+
+
+def seconds_between(a, b, cuda: bool) -> float:
+    return a.elapsed_time(b) / 1000.0 if cuda else b - a
+
+
 class StepTimer:
     """Per-step durations in seconds, collected lazily."""
 
@@ -24,20 +37,13 @@ class StepTimer:
         self._last = None
         self.durations: list[float] = []
 
-    def _mark(self):
-        if self.cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            return ev
-        return time.perf_counter()
-
     def start(self) -> None:
         """(Re)start timing: the next step is measured from here. Used after eval too."""
         self.flush()
-        self._last = self._mark()
+        self._last = now_mark(self.cuda)
 
     def step_end(self) -> None:
-        self._pending.append(self._mark())
+        self._pending.append(now_mark(self.cuda))
 
     def flush(self) -> list[float]:
         """Turn pending marks into durations; returns the new ones."""
@@ -45,16 +51,10 @@ class StepTimer:
             return []
         if self.cuda:
             self._pending[-1].synchronize()
-            new = []
-            prev = self._last
-            for ev in self._pending:
-                new.append(prev.elapsed_time(ev) / 1000.0)
-                prev = ev
-        else:
-            new, prev = [], self._last
-            for t in self._pending:
-                new.append(t - prev)
-                prev = t
+        new, prev = [], self._last
+        for mark in self._pending:
+            new.append(seconds_between(prev, mark, self.cuda))
+            prev = mark
         self._last = self._pending[-1]
         self._pending = []
         self.durations.extend(new)
@@ -109,23 +109,13 @@ class PhaseTimer:
         self._pending: list[tuple[object, list[tuple[str, object]]]] = []
         self.seconds: dict[str, array] = {p: array("d") for p in PHASES}
 
-    def _now(self):
-        if self.cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            return ev
-        return time.perf_counter()
-
-    def _elapsed(self, a, b) -> float:
-        return a.elapsed_time(b) / 1000.0 if self.cuda else b - a
-
     def begin(self) -> None:
-        self._start = self._now()
+        self._start = now_mark(self.cuda)
         self._marks = []
 
     def mark(self, phase: str) -> None:
         """``phase`` just ended."""
-        self._marks.append((phase, self._now()))
+        self._marks.append((phase, now_mark(self.cuda)))
 
     def end(self) -> None:
         self._pending.append((self._start, self._marks))
@@ -138,7 +128,7 @@ class PhaseTimer:
             out = dict.fromkeys(PHASES, 0.0)
             prev = start
             for phase, m in marks:
-                out[phase] += self._elapsed(prev, m)
+                out[phase] += seconds_between(prev, m, self.cuda)
                 prev = m
             for p in PHASES:
                 self.seconds[p].append(out[p])
