@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import IO
 
 
-def _fsync_dir(folder: Path) -> None:
+def fsync_dir(folder: Path) -> None:
     fd = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -37,5 +37,5 @@ def atomic_write(path: Path, data: bytes | memoryview | str | Callable[[IO[bytes
     except BaseException:  # an interruption too: never leave the temporary file behind
         Path(tmp).unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     return path

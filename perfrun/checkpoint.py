@@ -4,6 +4,12 @@ A checkpoint holds only tensors, numbers, strings, lists and dicts, so it loads 
 ``torch.load(weights_only=True)``: a checkpoint from a stranger cannot run code. It is
 written through :func:`perfrun.atomic.atomic_write`: a crash (even ``kill -9``) mid-write
 never leaves a half file where a good one was.
+
+Two layouts: ``step_NNNNNNN.pt``, one file written by rank 0 (one process, DDP), and
+``step_NNNNNNN/``, a ``torch.distributed.checkpoint`` folder that every FSDP rank writes
+its shards into, beside a ``meta.pt`` with the rest of the state. The folder is written
+under a temporary name and renamed when complete, so it is as all-or-nothing as the file,
+and it loads onto any number of ranks (DCP reshards), or into one plain model.
 """
 
 from __future__ import annotations
@@ -11,7 +17,9 @@ from __future__ import annotations
 import errno
 import random
 import re
+import shutil
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -19,11 +27,14 @@ import numpy as np
 import torch
 
 from perfrun import __version__
-from perfrun.atomic import atomic_write
+from perfrun import distributed
+from perfrun.atomic import atomic_write, fsync_dir
 from perfrun.config import ConfigError
 
 FORMAT = 1
-_NAME = re.compile(r"^step_(\d+)\.pt$")
+_NAME = re.compile(r"^step_(\d+)(\.pt)?$")
+_PARTIAL = re.compile(r"^\.step_\d+\.partial$")
+META = "meta.pt"  # in a sharded checkpoint folder: everything but the model and optimizer
 SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")
 
 
@@ -65,16 +76,93 @@ def save(folder: Path, step: int, state: dict[str, Any], keep_last: int) -> Path
     try:
         atomic_write(final, lambda f: torch.save(payload, f))
     except OSError as e:
-        why = "the disk is full" if e.errno == errno.ENOSPC else (e.strerror or str(e))
-        previous = list_checkpoints(folder)
-        kept = f"the previous checkpoint {previous[-1].name} is intact" if previous else "no earlier checkpoint exists"
-        raise CheckpointWriteError(
-            f"could not save the checkpoint for step {step} in {folder}: {why}; free space or set "
-            f"checkpoint.dir to a writable folder ({kept})"
-        ) from None
-    for old in list_checkpoints(folder)[:-keep_last]:
-        old.unlink(missing_ok=True)
+        raise _write_error(folder, step, e) from None
+    _prune(folder, keep_last)
     return final
+
+
+def _prune(folder: Path, keep_last: int) -> None:
+    for old in list_checkpoints(folder)[:-keep_last]:
+        if old.is_dir():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            old.unlink(missing_ok=True)
+
+
+def _write_error(folder: Path, step: int, e: BaseException) -> CheckpointWriteError:
+    errnos = [e.errno] if isinstance(e, OSError) else []
+    why = "the disk is full" if errno.ENOSPC in errnos else (getattr(e, "strerror", None) or str(e).splitlines()[0][:200])
+    previous = list_checkpoints(folder)
+    kept = f"the previous checkpoint {previous[-1].name} is intact" if previous else "no earlier checkpoint exists"
+    return CheckpointWriteError(
+        f"could not save the checkpoint for step {step} in {folder}: {why}; free space or set "
+        f"checkpoint.dir to a writable folder ({kept})"
+    )
+
+
+def save_sharded(folder: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 state: dict[str, Any], keep_last: int) -> Path:
+    """Every rank writes its shards of the model and optimizer (``torch.distributed.checkpoint``)
+    into ``.step_NNNNNNN.partial/``; rank 0 adds ``meta.pt`` (``state``: schedule, RNG, data
+    position, config) and renames the folder to ``step_NNNNNNN/``. A collective: all ranks call it.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    folder = Path(folder)
+    final = folder / f"step_{step:07d}"
+    partial = folder / f".{final.name}.partial"
+    problem: str | None = None
+    if distributed.rank() == 0:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            for stale in (p for p in folder.iterdir() if _PARTIAL.match(p.name)):  # a save cut short earlier
+                shutil.rmtree(stale)
+            if final.exists():  # the same step saved again (a resumed run stopped at once)
+                shutil.rmtree(final)
+        except OSError as e:
+            problem = str(_write_error(folder, step, e))
+    problem = distributed.from_rank0(problem)
+    if problem is not None:
+        raise CheckpointWriteError(problem)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    try:
+        dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(partial))
+    except Exception as e:  # noqa: BLE001 - DCP gathers every rank's failure into one exception
+        raise _write_error(folder, step, e) from None
+    payload = {"format": FORMAT, "perfrun_version": __version__, "step": step, "sharded": True, **state}
+    if distributed.rank() == 0:
+        try:
+            atomic_write(partial / META, lambda f: torch.save(payload, f))
+            partial.rename(final)
+            fsync_dir(folder)
+            _prune(folder, keep_last)
+        except OSError as e:
+            problem = str(_write_error(folder, step, e))
+    problem = distributed.from_rank0(problem)  # a barrier: no rank runs ahead of the folder
+    if problem is not None:
+        raise CheckpointWriteError(problem)
+    return final
+
+
+def load_sharded_into(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    """Read a sharded checkpoint into ``model`` (and ``optimizer``): FSDP on any number of
+    ranks, DDP or one plain process alike (DCP reshards to whatever the model is now)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    if optimizer is None:
+        state = {"model": model.state_dict()}
+    else:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optimizer": optim_sd}
+    with warnings.catch_warnings():  # DCP's "assuming the intent is to load in a single process"
+        warnings.filterwarnings("ignore", message=".*load in a single process.*")
+        dcp.load(state, checkpoint_id=str(path))
+    if optimizer is None:
+        model.load_state_dict(state["model"])
+    else:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 
 def check_writable(folder: Path) -> None:
@@ -89,30 +177,47 @@ def check_writable(folder: Path) -> None:
         ) from None
 
 
+def is_sharded(path: Path) -> bool:
+    return Path(path).is_dir() and (Path(path) / META).is_file()
+
+
 def list_checkpoints(folder: Path) -> list[Path]:
-    """Complete checkpoints in ``folder``, oldest first (temporary files are ignored)."""
+    """Complete checkpoints in ``folder`` (files and sharded folders), oldest first;
+    temporary files and folders cut short are ignored."""
     if not Path(folder).is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in Path(folder).iterdir() if (m := _NAME.match(p.name))]
+    found = [(int(m.group(1)), p) for p in Path(folder).iterdir()
+             if (m := _NAME.match(p.name)) and (p.is_file() if m.group(2) else is_sharded(p))]
     return [p for _, p in sorted(found)]
 
 
 def load(path: Path) -> dict[str, Any]:
     """Load onto the CPU (so resuming cannot run the GPU out of memory), code-free."""
     path = Path(path)
-    if not path.is_file():
+    sharded = is_sharded(path)
+    if not sharded and not path.is_file():
         raise ConfigError(f"resume={path}: no such checkpoint file; give a step_*.pt file, a folder of them, or resume=auto")
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        ckpt = torch.load(path / META if sharded else path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any unreadable file is the same user-facing problem
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(
             f"resume={path} is not a readable perfrun checkpoint (truncated, corrupt or another kind of file: "
             f"{first[:120]}); pick another step_*.pt from that folder"
         ) from None
-    if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT or "model" not in ckpt:
+    if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT or ("model" not in ckpt and not sharded):
         raise ConfigError(f"resume={path} is not a perfrun checkpoint (format {FORMAT}); pick a step_*.pt that perfrun wrote")
+    if sharded:
+        ckpt["sharded_path"] = str(path)
     return ckpt
+
+
+def load_model_weights(ckpt: dict[str, Any], model: torch.nn.Module) -> None:
+    """The weights of a loaded checkpoint (either layout) into a plain model."""
+    if ckpt.get("sharded_path"):
+        load_sharded_into(Path(ckpt["sharded_path"]), model, None)
+    else:
+        model.load_state_dict(ckpt["model"])
 
 
 def resolve(spec: str, ckpt_dir: Path | None) -> Path | None:
@@ -123,7 +228,7 @@ def resolve(spec: str, ckpt_dir: Path | None) -> Path | None:
     file or a folder of them."""
     if spec != "auto":
         p = Path(spec).expanduser()
-        if p.is_dir():
+        if p.is_dir() and not is_sharded(p):
             found = list_checkpoints(p) or list_checkpoints(p / "checkpoints")
             if not found:
                 raise ConfigError(f"resume={spec}: the folder holds no step_*.pt checkpoint; give a checkpoint file or resume=auto")
@@ -133,8 +238,8 @@ def resolve(spec: str, ckpt_dir: Path | None) -> Path | None:
     return found[-1] if found else None
 
 
-# What must match for a resume to continue the same run exactly.
-RESUME_KEYS = ("seed", "data.name", "data.path", "data.seq_len", "dataloader.batch_size", "accumulation.steps")
+# What must match for a resume to continue the same run exactly; and the global batch.
+RESUME_KEYS = ("seed", "data.name", "data.path", "data.seq_len")
 
 
 def _dotted(tree: dict[str, Any], key: str) -> Any:
@@ -143,9 +248,18 @@ def _dotted(tree: dict[str, Any], key: str) -> Any:
     return tree if tree != {} else None
 
 
-def check_compatible(ckpt: dict[str, Any], shape: dict[str, int], config: dict[str, Any], path: Path) -> None:
-    """Refuse a checkpoint of another model shape, or of another data order (seed, data,
-    batch size, accumulation): resuming it could not continue the same run."""
+def _global_batch(config: dict[str, Any], world: int) -> tuple[int, str]:
+    """Sequences per optimizer step over all ranks, and how they are made up."""
+    b, a = int(_dotted(config, "dataloader.batch_size") or 0), int(_dotted(config, "accumulation.steps") or 1)
+    return b * a * world, f"dataloader.batch_size={b} x accumulation.steps={a} x {world} rank(s)"
+
+
+def check_compatible(ckpt: dict[str, Any], shape: dict[str, int], config: dict[str, Any], path: Path,
+                     world: int = 1) -> None:
+    """Refuse a checkpoint of another model shape, of another data order (seed, data), or of
+    another global batch: resuming it could not continue the same run. The global batch is
+    what must match, not how it is split: 2 ranks x 4 continue as 1 process x 8, since the
+    data order does not depend on the number of ranks (:class:`perfrun.data.ResumableSampler`)."""
     check_shape(ckpt, shape, path)
     saved = ckpt.get("config", {})
     diff = [f"{k}={_dotted(saved, k)} vs {_dotted(config, k)}" for k in RESUME_KEYS
@@ -154,6 +268,15 @@ def check_compatible(ckpt: dict[str, Any], shape: dict[str, int], config: dict[s
         raise ConfigError(
             f"resume={path} was made with other settings ({', '.join(diff)}: checkpoint vs this run); "
             "resume with the checkpoint's values so that the data order continues exactly"
+        )
+    (was, was_how), (now, now_how) = _global_batch(saved, int(ckpt.get("world_size", 1))), _global_batch(config, world)
+    if was != now:
+        per = int(_dotted(config, "accumulation.steps") or 1) * world
+        fix = (f"set dataloader.batch_size={was // per}" if was % per == 0
+               else "choose dataloader.batch_size and accumulation.steps whose product times the ranks is that")
+        raise ConfigError(
+            f"resume={path} was made with a global batch of {was} sequences per step ({was_how}) and this run "
+            f"has {now} ({now_how}); keep the global batch so that the data order continues exactly: {fix}"
         )
 
 

@@ -26,6 +26,7 @@ COMMANDS = {
 _MODULES = {"gpu-check": "perfrun.gpucheck", "report": "perfrun.report", "tune": "perfrun.tune",
             "generate": "perfrun.generate", "export": "perfrun.export"}
 _FAILED_JOBS: list[str] = []
+PARALLEL = ("ddp", "fsdp")  # the distributed= values that run one process per GPU
 
 
 def config_dir() -> str:
@@ -230,7 +231,7 @@ def train_main(args: list[str]) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     distributed = composed.distributed if composed is not None else _arg_value(args, "distributed")
     nproc = composed.nproc if composed is not None else _arg_value(args, "nproc")
-    several = world > 1 or (distributed == "ddp" and str(nproc).isdigit() and int(nproc) > 1)
+    several = world > 1 or (distributed in PARALLEL and str(nproc).isdigit() and int(nproc) > 1)
     if composed is not None:
         try:  # several processes: refuse a bad value once, here, rather than once per rank
             if several:
@@ -244,7 +245,7 @@ def train_main(args: list[str]) -> int:
     if world == 1 and several:
         return _launch_torchrun(args, int(nproc))
     if world > 1:
-        if distributed != "ddp":
+        if distributed not in PARALLEL:
             _error(f"torchrun started {world} processes but distributed={distributed}; add distributed=ddp")
             return 2
         from perfrun import distributed as dist

@@ -163,8 +163,8 @@ class TrainConfig:
     profile: bool = False  # torch.profiler over profiler.active steady-state steps
     profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
     memory_snapshot: bool = False  # CUDA allocator history for pytorch.org/memory_viz
-    distributed: str = "none"  # none | ddp
-    nproc: int = 1  # ddp: processes on this machine; perfrun train starts torchrun for nproc > 1
+    distributed: str = "none"  # none | ddp | fsdp
+    nproc: int = 1  # ddp, fsdp: processes on this machine; perfrun train starts torchrun for nproc > 1
 
 
 def register_configs() -> None:
@@ -183,7 +183,7 @@ _CHOICES = {
     "attention": ("sdpa", "eager"),
     "sdpa_backend": ("auto", "flash", "efficient", "cudnn", "math"),
     "progress": ("auto", "bar", "plain", "off"),
-    "distributed": ("none", "ddp"),
+    "distributed": ("none", "ddp", "fsdp"),
 }
 
 
@@ -370,18 +370,18 @@ def check_distributed(cfg: Any, world: int | None = None) -> None:
         raise ConfigError(f"nproc={cfg.nproc} must be >= 1; set nproc=1 or the number of processes to start")
     if cfg.distributed == "none":
         if cfg.nproc > 1:
-            raise ConfigError(f"nproc={cfg.nproc} needs distributed=ddp (one process trains alone); "
+            raise ConfigError(f"nproc={cfg.nproc} needs distributed=ddp or fsdp (one process trains alone); "
                               f"add distributed=ddp or set nproc=1")
         if world > 1:
             raise ConfigError(f"torchrun started {world} processes (WORLD_SIZE={world}) but distributed=none, so each "
                               "would train alone and write the same files; add distributed=ddp")
         return
     if world == 1 and cfg.nproc > 1:
-        raise ConfigError(f"distributed=ddp nproc={cfg.nproc}: this process was not started by torchrun; launch it "
+        raise ConfigError(f"distributed={cfg.distributed} nproc={cfg.nproc}: this process was not started by torchrun; launch it "
                           f"with perfrun train (which starts torchrun) or torchrun --nproc_per_node={cfg.nproc} -m perfrun train")
     if world > 1 and cfg.nproc not in (1, local):
         raise ConfigError(f"nproc={cfg.nproc} but torchrun started {local} processes on this machine; drop nproc "
                           "under torchrun (its --nproc_per_node decides)")
     if cfg.dataloader.batch_size == "auto" and world > 1:
-        raise ConfigError("dataloader.batch_size=auto is not supported with distributed=ddp yet (each rank could "
+        raise ConfigError(f"dataloader.batch_size=auto is not supported with distributed={cfg.distributed} yet (each rank could "
                           "choose another batch); give a number, e.g. one that perfrun train found on one process")

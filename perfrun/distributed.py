@@ -96,6 +96,23 @@ def any_rank(flag: bool) -> bool:
     return bool(t.item())
 
 
+def gather_to_rank0(obj: Any) -> list[Any] | None:
+    """Every rank's ``obj``, in rank order, on rank 0 (None elsewhere). Host objects over
+    the gloo group, so that gathering telemetry or RNG states never touches the GPU queue."""
+    if not active() or world_size() == 1:
+        return [obj]
+    out: list[Any] | None = [None] * world_size() if rank() == 0 else None
+    dist.gather_object(obj, out, dst=0, group=_control)
+    return out
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor (FSDP's gradient norm, for one) as the plain tensor it stands for."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 def mean_over_ranks(t: torch.Tensor) -> torch.Tensor:
     """The average of ``t`` over ranks (a loss summed per rank -> the global batch's loss)."""
     if not active() or world_size() == 1:

@@ -162,7 +162,9 @@ class Loaded:
 
 
 def resolve_checkpoint(spec: Path) -> Path:
-    """A step_*.pt file, or a run folder / checkpoints folder (its newest checkpoint)."""
+    """A step_*.pt file or sharded step_* folder, or a run folder / checkpoints folder (its newest checkpoint)."""
+    if checkpoint.is_sharded(spec):
+        return spec
     if spec.is_dir():
         found = checkpoint.list_checkpoints(spec) or checkpoint.list_checkpoints(spec / "checkpoints")
         if not found:
@@ -216,7 +218,7 @@ def load_model(spec: Path, device: torch.device | str = "cpu", *, byte_level: bo
     )
     model = GPT(gcfg)
     try:
-        model.load_state_dict(ckpt["model"])
+        checkpoint.load_model_weights(ckpt, model)
     except RuntimeError as e:
         first = str(e).strip().splitlines()[0]
         raise ConfigError(f"checkpoint={path}: its weights do not fit the model it describes ({first[:160]}); "

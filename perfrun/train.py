@@ -66,13 +66,13 @@ def resolve_device(spec: str) -> torch.device:
     return torch.device("cuda", index)
 
 
-def _ddp_device(cfg: Any, device: torch.device) -> torch.device:
-    """Under DDP each process of a machine owns the GPU of its LOCAL_RANK."""
+def _rank_device(cfg: Any, device: torch.device) -> torch.device:
+    """Under DDP or FSDP each process of a machine owns the GPU of its LOCAL_RANK."""
     if device.type != "cuda":
         return device
     index = distributed.local_rank()
     if cfg.device not in ("auto", "cuda") and int(__import__("os").environ.get("WORLD_SIZE", "1")) > 1:
-        raise ConfigError(f"device={cfg.device} with distributed=ddp: each rank takes cuda:LOCAL_RANK; "
+        raise ConfigError(f"device={cfg.device} with distributed={cfg.distributed}: each rank takes cuda:LOCAL_RANK; "
                           "set device=auto or device=cuda")
     if index >= torch.cuda.device_count():
         raise ConfigError(f"LOCAL_RANK={index} but this machine has {torch.cuda.device_count()} CUDA device(s); "
@@ -84,6 +84,12 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def seed_rank(seed: int, rank: int) -> None:
+    """Ranks share the model's initial weights (one seed) but not their dropout masks:
+    after the model is built, rank r draws from ``seed + r``."""
+    torch.manual_seed(seed + rank)
 
 
 def resolve_peak(cfg: Any, device: torch.device, dtype_name: str) -> tuple[float | None, str, dict[str, Any]]:
@@ -182,8 +188,8 @@ def setup(cfg: Any, stack: ExitStack) -> Setup:
     """Everything before the first step: validated config, data, model, knobs, optimizer."""
     validate(cfg)
     device = resolve_device(cfg.device)
-    if cfg.distributed == "ddp":
-        device = _ddp_device(cfg, device)
+    if cfg.distributed != "none":
+        device = _rank_device(cfg, device)
         if distributed.ensure_group(device):
             stack.callback(distributed.destroy)
     rank, world = distributed.rank(), distributed.world_size()
@@ -204,6 +210,8 @@ def setup(cfg: Any, stack: ExitStack) -> Setup:
     model = GPT(gcfg).to(device)
     plan = apply_knobs(cfg, device, model, stack)
     optimizer, fused = build_optimizer(model, cfg.optim, device)
+    if world > 1:
+        seed_rank(cfg.seed, rank)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.max_steps)
     auto_batch = None
     if cfg.dataloader.batch_size == "auto":  # the largest batch that fits, found before the loaders exist
@@ -242,7 +250,8 @@ def setup(cfg: Any, stack: ExitStack) -> Setup:
     log.info(
         f"model {m.name}: {notes['params'] / 1e6:.2f}M parameters, seq_len {seq_len}, "
         f"{tokens_per_step:,} tokens/step, device {device} ({device_name(device)})"
-        + (f", {world} ranks (DDP, {cfg.dataloader.batch_size * world} sequences per micro-step in all)" if world > 1 else "")
+        + (f", {world} ranks ({cfg.distributed.upper()}, {cfg.dataloader.batch_size * world} sequences per micro-step in all)"
+           if world > 1 else "")
     )
     sheet = peak_figures.get("datasheet_tflops")
     log.info(
@@ -298,15 +307,37 @@ class Start:
     checkpoint: str | None = None
 
 
-def restore(s: Setup, ckpt: dict[str, Any]) -> Start:
-    """Load a checkpoint's state into the freshly built model, optimizer and schedule."""
-    s.plan.raw_model.load_state_dict(ckpt["model"])
-    s.optimizer.load_state_dict(ckpt["optimizer"])
+def restore(s: Setup, ckpt: dict[str, Any], path: Path, seed: int) -> Start:
+    """Load a checkpoint's state into the freshly built model, optimizer and schedule.
+
+    On as many ranks as it was saved from, every rank gets its own random state back and
+    the run continues bit for bit. On another number of ranks (a sharded checkpoint
+    reshards; a single file loads anywhere) the weights, optimizer, schedule and data
+    position carry over (the global batch is checked to be the same), but the random
+    streams are reseeded.
+    """
+    if ckpt.get("sharded_path"):
+        checkpoint.load_sharded_into(Path(ckpt["sharded_path"]), s.plan.raw_model, s.optimizer)
+    elif s.plan.sharded_state:
+        raise ConfigError(f"resume={path} is a single-file checkpoint (distributed=none or ddp) and distributed=fsdp "
+                          "reads sharded ones; resume it with distributed=ddp (any number of ranks), or start fresh")
+    else:
+        s.plan.raw_model.load_state_dict(ckpt["model"])
+        s.optimizer.load_state_dict(ckpt["optimizer"])
     s.scheduler.load_state_dict(ckpt["scheduler"])
     if s.plan.scaler is not None and ckpt.get("scaler"):
         s.plan.scaler.load_state_dict(ckpt["scaler"])
-    restore_rng(ckpt["rng"])
     data = ckpt["data"]
+    rank, world, saved_world = distributed.rank(), distributed.world_size(), int(ckpt.get("world_size", 1))
+    if saved_world == world:
+        ranks = ckpt.get("rng_ranks")
+        restore_rng(ranks[rank] if ranks else ckpt["rng"])
+    else:
+        restore_rng(ckpt["rng"])
+        seed_rank(seed + int(ckpt["step"]), rank)
+        log.warning(f"resume={path} was saved by {saved_world} rank(s) and continues on {world}, with the same "
+                    f"global batch and data order (from sample {data['consumed']} of epoch {data['epoch']}); the random "
+                    "streams (dropout) are reseeded per rank and sums run in another order, so not bit for bit")
     return Start(step=int(ckpt["step"]), epoch=int(data["epoch"]), consumed=int(data["consumed"]),
                  tokens=int(ckpt.get("tokens", 0)))
 
@@ -360,22 +391,29 @@ def train_loop(cfg: Any, s: Setup, sink: JsonlSink, reporter: ConsoleReporter, m
             return
         timer.flush()
         t = time.perf_counter()
+        rng = capture_rng()
+        rng_ranks = distributed.gather_to_rank0(rng)  # each rank draws its own dropout masks
         state = {
-            "model": plan.raw_model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-            "scaler": scaler.state_dict() if scaler is not None else None, "rng": capture_rng(),
+            "scheduler": sched.state_dict(), "scaler": scaler.state_dict() if scaler is not None else None,
+            "rng": rng, "rng_ranks": rng_ranks if distributed.world_size() > 1 else None,
+            "world_size": distributed.world_size(),
             "data": stream.position(), "tokens": start.tokens + len(host_wall) * tp.tokens_per_step,
             "model_shape": model_shape(s),
             "config": OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(cfg),
         }
-        path, error = None, None
-        if distributed.rank() == 0:  # one writer; every rank holds the same weights
-            try:
-                path = checkpoint.save(ckpt_dir, step, state, cfg.checkpoint.keep_last)
-            except checkpoint.CheckpointWriteError as e:
-                error = str(e)
-        path, error = distributed.from_rank0((path, error))  # a barrier: no rank runs ahead of the file
-        if error is not None:
-            raise checkpoint.CheckpointWriteError(error)
+        if plan.sharded_state:  # every rank writes its shards
+            path = checkpoint.save_sharded(ckpt_dir, step, plan.raw_model, opt, state, cfg.checkpoint.keep_last)
+        else:
+            path, error = None, None
+            if distributed.rank() == 0:  # one writer; every rank holds the same weights
+                state.update(model=plan.raw_model.state_dict(), optimizer=opt.state_dict())
+                try:
+                    path = checkpoint.save(ckpt_dir, step, state, cfg.checkpoint.keep_last)
+                except checkpoint.CheckpointWriteError as e:
+                    error = str(e)
+            path, error = distributed.from_rank0((path, error))  # a barrier: no rank runs ahead of the file
+            if error is not None:
+                raise checkpoint.CheckpointWriteError(error)
         saved.append(str(path))
         ckpt_time += time.perf_counter() - t
         sink.write({"kind": "checkpoint", "step": step, "path": str(path), "save_s": time.perf_counter() - t})
@@ -410,7 +448,7 @@ def train_loop(cfg: Any, s: Setup, sink: JsonlSink, reporter: ConsoleReporter, m
                 step_loss += loss.detach()
             if scaler is not None:
                 scaler.unscale_(opt)
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)
+            grad_norm = distributed.full_tensor(torch.nn.utils.clip_grad_norm_(params, clip))
             if scaler is not None:
                 scaler.step(opt)
                 scaler.update()
@@ -562,8 +600,8 @@ def run(cfg: Any, run_dir: Path | None, *, overrides: list[str] | None = None) -
                 else:
                     ckpt = checkpoint.load(path)
                     config = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(cfg)
-                    checkpoint.check_compatible(ckpt, model_shape(s), config, path)
-                    start = restore(s, ckpt)
+                    checkpoint.check_compatible(ckpt, model_shape(s), config, path, distributed.world_size())
+                    start = restore(s, ckpt, path, cfg.seed)
                     start.checkpoint = str(path)
                     del ckpt
                     log.info(f"resumed from {path} at step {start.step}")

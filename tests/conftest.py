@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -64,3 +65,17 @@ def run_cli(*args: str, cwd: Path, timeout: float = 240, env: dict[str, str] | N
         [sys.executable, "-m", "perfrun", *args], cwd=cwd, env=full_env,
         capture_output=True, text=True, timeout=timeout,
     )
+
+
+def torchrun(cwd: Path, *args: str, nproc: int = 2) -> subprocess.CompletedProcess:
+    """``torchrun --nproc_per_node=N -m perfrun train ARGS``, as a user starts it by hand."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200"}
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+         "-m", "perfrun", "train", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    """Step -> train loss, from a run's metrics.jsonl."""
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r["loss"] for r in map(json.loads, lines) if r["kind"] == "train"}

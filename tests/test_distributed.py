@@ -8,9 +8,6 @@ fixtures and kept to a few steps of a tiny model.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +15,7 @@ import pytest
 from perfrun.data import ResumableSampler
 from perfrun.train import run
 
-from conftest import REPO, TINY_MODEL, make_cfg, run_cli
+from conftest import TINY_MODEL, losses, make_cfg, run_cli, torchrun
 
 # float32 sums in another order (two half-batch means averaged by the all-reduce, against
 # one mean over the whole batch): equal to ~1e-7 relative; 1e-5 leaves room.
@@ -26,18 +23,6 @@ TOL = 1e-5
 STEPS = 6
 COMMON = [*TINY_MODEL, f"max_steps={STEPS}", "log_every=1", "eval_every=0", "eval_batches=2", "device=cpu",
           "progress=off", "monitor.every_n_steps=0", "optim.warmup_steps=2", "accumulation.steps=2"]
-
-
-def torchrun(cwd: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200"}
-    return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         "-m", "perfrun", "train", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
-
-
-def losses(run_dir: Path) -> dict[int, float]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return {r["step"]: r["loss"] for r in map(json.loads, lines) if r["kind"] == "train"}
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +92,7 @@ def test_resume_under_ddp_is_exact(ddp_run: Path) -> None:
 @pytest.mark.parametrize("args, says", [
     (["nproc=2"], "nproc=2 needs distributed=ddp"),
     (["distributed=ddp", "nproc=0"], "nproc=0 must be >= 1"),
-    (["distributed=fsdp"], "distributed=fsdp is not an option"),
+    (["distributed=zero3"], "distributed=zero3 is not an option"),
     # refused before torchrun starts: one line, not one per rank
     (["distributed=ddp", "nproc=2", "model.n_embd=33"], "model.n_embd=33 is not divisible by model.n_head=2"),
     (["distributed=ddp", "nproc=2", "dataloader.batch_size=auto"], "batch_size=auto is not supported with distributed=ddp"),

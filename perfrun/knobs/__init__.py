@@ -28,7 +28,8 @@ class Plan:
     contexts: list[Callable[[], AbstractContextManager[Any]]] = field(default_factory=list)
     step_hooks: list[Callable[[int], None]] = field(default_factory=list)  # called after each step (profiler)
     notes: dict[str, Any] = field(default_factory=dict)  # what each knob did, for summary.json
-    # Entered around forward and backward of micro-step i of n (DDP: no_sync but the last).
+    sharded_state: bool = False  # FSDP: every rank saves and loads its own shards
+    # Entered around forward and backward of micro-step i of n (DDP, FSDP: no gradient sync but on the last).
     micro_step_context: Callable[[int, int], AbstractContextManager[Any]] = lambda i, n: nullcontext()
 
     def forward_context(self) -> ExitStack:
@@ -40,11 +41,11 @@ class Plan:
 
 
 def apply_knobs(cfg: Any, device: torch.device, model: nn.Module, stack: ExitStack) -> Plan:
-    """Apply every knob in a fixed order: backends, precision, checkpointing, ddp, compile."""
-    from perfrun.knobs import backends, checkpointing, compile, ddp, precision
+    """Apply every knob in a fixed order: backends, precision, checkpointing, ddp or fsdp, compile."""
+    from perfrun.knobs import backends, checkpointing, compile, ddp, fsdp, precision
 
     plan = Plan(model=model, raw_model=model, micro_steps=int(cfg.accumulation.steps))
     plan.notes["accumulation_steps"] = plan.micro_steps
-    for knob in (backends, precision, checkpointing, ddp, compile):
+    for knob in (backends, precision, checkpointing, ddp, fsdp, compile):
         knob.apply(cfg, device, plan, stack)
     return plan

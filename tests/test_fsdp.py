@@ -1,0 +1,133 @@
+"""FSDP2 on the CPU with gloo (torch supports ``fully_shard`` there): 2 ranks match one
+process, sharded ``torch.distributed.checkpoint`` folders are written by every rank, and
+resume is exact on the same ranks and continues on another number of ranks, or in one
+plain process. Tiny models and few steps: each torchrun start costs ~5 s of imports.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from perfrun import checkpoint
+from perfrun.config import ConfigError
+from perfrun.generate import load_model
+from perfrun.train import run
+
+from conftest import TINY_MODEL, losses, make_cfg, run_cli, torchrun
+
+TOL = 1e-5  # float32 sums in another order (see test_distributed.py)
+STEPS = 6
+COMMON = [*TINY_MODEL, f"max_steps={STEPS}", "log_every=1", "eval_every=0", "eval_batches=2", "device=cpu",
+          "progress=off", "monitor.every_n_steps=0", "optim.warmup_steps=2", "accumulation.steps=2"]
+
+
+@pytest.fixture(scope="module")
+def fsdp_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """2 ranks x batch 2 x 2 micro-steps, through ``perfrun train distributed=fsdp nproc=2``."""
+    run_dir = tmp_path_factory.mktemp("fsdp") / "run"
+    p = run_cli("train", *COMMON, "distributed=fsdp", "nproc=2", "dataloader.batch_size=2",
+                "checkpoint.every_n_steps=3", "checkpoint.keep_last=5", f"hydra.run.dir={run_dir}",
+                cwd=run_dir.parent, timeout=120)
+    assert p.returncode == 0, p.stderr
+    return run_dir
+
+
+def test_two_fsdp_ranks_match_one_process(fsdp_dir: Path, tmp_path: Path) -> None:
+    s = json.loads((fsdp_dir / "summary.json").read_text())
+    assert s["status"] == "completed" and s["world_size"] == 2 and s["knobs"]["distributed"] == "fsdp"
+    assert s["knobs"]["fsdp"] == {"shard_groups": 3, "param_dtype": "float32", "reduce_dtype": "float32",
+                                  "reshard_after_forward": True}
+    run(make_cfg(*COMMON, "dataloader.batch_size=4", "checkpoint.at_end=false"), tmp_path)
+    a, b = losses(tmp_path), losses(fsdp_dir)
+    assert sorted(a) == sorted(b) == list(range(1, STEPS + 1))
+    assert all(abs(a[k] - b[k]) <= TOL * abs(a[k]) for k in a), (a, b)
+
+
+def test_every_rank_writes_its_shards_into_one_folder(fsdp_dir: Path) -> None:
+    ckpts = checkpoint.list_checkpoints(fsdp_dir / "checkpoints")
+    assert [c.name for c in ckpts] == ["step_0000003", "step_0000006"]
+    for c in ckpts:
+        assert sorted(f.name for f in c.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
+    meta = checkpoint.load(ckpts[-1])  # weights_only: a plain dict of the rest of the state
+    assert meta["sharded"] and meta["world_size"] == 2 and meta["step"] == 6 and "model" not in meta
+    assert len(meta["rng_ranks"]) == 2
+    assert not torch.equal(meta["rng_ranks"][0]["torch"], meta["rng_ranks"][1]["torch"])  # own dropout streams
+    assert not list(fsdp_dir.rglob("*.partial"))
+
+
+def test_resume_on_the_same_ranks_is_exact(fsdp_dir: Path, tmp_path: Path) -> None:
+    resumed = tmp_path / "resumed"
+    p = torchrun(tmp_path, *COMMON, "distributed=fsdp", "dataloader.batch_size=2",
+                 f"resume={fsdp_dir / 'checkpoints' / 'step_0000003'}", f"hydra.run.dir={resumed}")
+    assert p.returncode == 0, p.stderr
+    a, b = losses(fsdp_dir), losses(resumed)
+    assert sorted(b) == [4, 5, 6]
+    assert [a[k] for k in b] == [b[k] for k in b]  # same ranks, same shards, same order: bit for bit
+
+
+@pytest.mark.parametrize("mode", ["fsdp", "none"])
+def test_resume_on_one_process_continues_with_the_same_global_batch(
+        fsdp_dir: Path, tmp_path: Path, mode: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Saved by 2 FSDP ranks, read by 1 (DCP reshards), FSDP or a plain model."""
+    with caplog.at_level(logging.WARNING, logger="perfrun"):
+        s = run(make_cfg(*COMMON, f"distributed={mode}", "dataloader.batch_size=4",
+                         f"resume={fsdp_dir / 'checkpoints' / 'step_0000003'}", "checkpoint.at_end=false"), tmp_path)
+    assert s["start_step"] == 3 and s["data_position"] == json.loads((fsdp_dir / "summary.json").read_text())["data_position"]
+    assert "saved by 2 rank(s) and continues on 1" in caplog.text
+    a, b = losses(fsdp_dir), losses(tmp_path)  # weights, Adam moments, schedule and data order carried over
+    assert sorted(b) == [4, 5, 6]
+    assert all(abs(a[k] - b[k]) <= TOL * abs(a[k]) for k in b), (a, b)
+
+
+def test_a_different_global_batch_is_refused(fsdp_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"global batch of 8 sequences per step .* set dataloader.batch_size=4"):
+        run(make_cfg(*COMMON, "distributed=fsdp", "dataloader.batch_size=2",
+                     f"resume={fsdp_dir / 'checkpoints' / 'step_0000003'}"), tmp_path)
+
+
+def test_fsdp_refuses_a_single_file_checkpoint(tmp_path: Path) -> None:
+    run(make_cfg(*COMMON, "dataloader.batch_size=4", "max_steps=2"), tmp_path / "plain")
+    (ckpt,) = checkpoint.list_checkpoints(tmp_path / "plain" / "checkpoints")
+    with pytest.raises(ConfigError, match="single-file checkpoint .* resume it with distributed=ddp"):
+        run(make_cfg(*COMMON, "distributed=fsdp", "dataloader.batch_size=4", f"resume={ckpt}"), tmp_path / "r")
+
+
+def test_a_save_cut_short_is_ignored_and_cleaned_up(fsdp_dir: Path, tmp_path: Path) -> None:
+    ckpts = tmp_path / "checkpoints"
+    shutil.copytree(fsdp_dir / "checkpoints", ckpts)
+    partial = ckpts / ".step_0000009.partial"  # what kill -9 during a save leaves: shards, no meta.pt
+    shutil.copytree(ckpts / "step_0000006", partial)
+    (partial / "meta.pt").unlink()
+    incomplete = ckpts / "step_0000012"  # a folder of that name without meta.pt is not a checkpoint
+    incomplete.mkdir()
+    assert checkpoint.resolve("auto", ckpts).name == "step_0000006"
+    s = run(make_cfg(*COMMON, "distributed=fsdp", "dataloader.batch_size=4", "max_steps=7", "resume=auto",
+                     f"checkpoint.dir={ckpts}"), tmp_path / "r")
+    assert s["status"] == "completed" and s["start_step"] == 6
+    assert not partial.exists() and (ckpts / "step_0000007" / "meta.pt").is_file()
+
+
+def test_generate_and_export_read_a_sharded_checkpoint(fsdp_dir: Path) -> None:
+    loaded = load_model(fsdp_dir / "checkpoints" / "step_0000006", byte_level=True)
+    assert loaded.step == 6
+    # the sharded folder and a single-process resume of it hold the same weights
+    model = load_model(fsdp_dir, byte_level=True).model  # a run folder: its newest checkpoint
+    for (name, a), b in zip(loaded.model.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert any(t.abs().sum() > 0 for t in loaded.model.state_dict().values())
+
+
+@pytest.mark.parametrize("precision, dtype", [("bf16", "bfloat16"), ("fp16", "float16")])
+def test_fsdp_mixed_precision_policy_follows_the_precision_group(precision: str, dtype: str, tmp_path: Path) -> None:
+    s = run(make_cfg(*COMMON, "distributed=fsdp", "dataloader.batch_size=4", f"precision={precision}",
+                     "max_steps=3", "checkpoint.at_end=false"), tmp_path)
+    assert s["status"] == "completed" and s["knobs"]["fsdp"]["param_dtype"] == dtype
+    assert s["knobs"]["fsdp"]["reduce_dtype"] == "float32"
+    assert s["knobs"].get("grad_scaler", False) == (precision == "fp16")
+    assert s["final_train_loss"] == pytest.approx(5.5, abs=0.5)
