@@ -26,8 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from perfrun import __version__
-from perfrun import distributed
+from perfrun import __version__, distributed
 from perfrun.atomic import atomic_write, fsync_dir
 from perfrun.config import ConfigError
 
