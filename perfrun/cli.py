@@ -159,24 +159,52 @@ QUIET_RANK = [
 ]
 
 
-def _launch_torchrun(args: list[str], nproc: int) -> int:
-    """``perfrun train distributed=ddp nproc=N``: start N ranks through torchrun, with the
-    run dir (and sweep dir) resolved once here and handed to all of them."""
+def _torchrun(nproc: int, train_args: list[str]) -> int:
+    """``perfrun train TRAIN_ARGS`` as ``nproc`` ranks of a local torchrun; its exit code.
+    SIGTERM is passed on (torchrun forwards it to the ranks); Ctrl-C reaches the ranks
+    directly, and they stop themselves, so this process just waits for them."""
     import signal
     import subprocess
 
     cmd = [sys.executable, "-m", "perfrun.launch", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "perfrun", "train", *args, *_dir_overrides(*_hydra_dirs(args))]
+           "-m", "perfrun", "train", *train_args]
     proc = subprocess.Popen(cmd)
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: proc.send_signal(signum))  # torchrun forwards it
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: proc.send_signal(signum))
     try:
         while True:
             try:
                 return proc.wait()
-            except KeyboardInterrupt:  # Ctrl-C reached torchrun and the ranks too; they stop themselves
+            except KeyboardInterrupt:
                 continue
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def _launch_torchrun(args: list[str], nproc: int) -> int:
+    """``perfrun train distributed=ddp nproc=N``: start N ranks through torchrun, with the
+    run dir (and sweep dir) resolved once here and handed to all of them."""
+    return _torchrun(nproc, [*args, *_dir_overrides(*_hydra_dirs(args))])
+
+
+def _torchrun_job(cfg: Any, overrides: list[str], run_dir: Path) -> int:
+    """A sweep job with ``nproc`` > 1: this job starts its own torchrun, whose ranks write
+    into the job's folder (rank 0 its summary.json, which the sweep summary reads). So a
+    sweep can vary nproc and distributed, and each job can go to a cluster node whole."""
+    from omegaconf import OmegaConf
+
+    from perfrun.config import ConfigError, check_distributed, validate
+    from perfrun.telemetry.sinks import write_json_atomic
+
+    try:
+        check_distributed(cfg, world=int(cfg.nproc))
+        job = OmegaConf.masked_copy(cfg, list(cfg.keys()))
+        job.nproc = 1
+        validate(job)
+    except ConfigError as e:
+        write_json_atomic(run_dir / "summary.json", {"status": "failed", "reason": str(e), "overrides": overrides,
+                                                     "config": OmegaConf.to_container(cfg, resolve=True)})
+        raise
+    return _torchrun(int(cfg.nproc), [*overrides, f"hydra.run.dir={_quoted(str(run_dir))}", "hydra.output_subdir=null"])
 
 
 def _join_torchrun(args: list[str], composed: Any) -> list[str]:
@@ -198,6 +226,10 @@ def _join_torchrun(args: list[str], composed: Any) -> list[str]:
     if dirs is None:
         raise SystemExit("perfrun: error: rank 0 could not resolve hydra.run.dir; run perfrun train --cfg hydra")
     return _dir_overrides(*dirs) + (QUIET_RANK if distributed.rank() != 0 else [])
+
+
+def _multirun(args: list[str]) -> bool:
+    return any(a in ("-m", "--multirun") or a == "hydra.mode=MULTIRUN" for a in args)
 
 
 def _unwritable(run_dir: Path) -> str | None:
@@ -242,7 +274,7 @@ def train_main(args: list[str]) -> int:
             if os.environ.get("RANK", "0") == "0":
                 _error(str(e))
             return 2
-    if world == 1 and several:
+    if world == 1 and several and not _multirun(args):  # a sweep's jobs start their own torchrun
         return _launch_torchrun(args, int(nproc))
     if world > 1:
         if distributed not in PARALLEL:
@@ -274,7 +306,14 @@ def _run_app(args: list[str]) -> int:
         run_dir = Path(hc.runtime.output_dir)
         overrides = list(hc.overrides.task)
         try:
-            run(cfg, run_dir, overrides=overrides)
+            if cfg.distributed in PARALLEL and cfg.nproc > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+                code = _torchrun_job(cfg, overrides, run_dir)
+                if code in (130, 143):  # the ranks were stopped by a signal: so is the sweep
+                    raise SystemExit(code)
+                if code != 0:  # the ranks have printed why
+                    raise RunFailed(f"its {cfg.nproc} ranks exited with code {code}; see {run_dir / 'train.log'}")
+            else:
+                run(cfg, run_dir, overrides=overrides)
         except (ConfigError, RunFailed) as e:
             _error(str(e))
             if hc.mode == RunMode.MULTIRUN:

@@ -56,12 +56,13 @@ def init_from_env(device_type: str) -> None:
 def ensure_group(device: torch.device) -> bool:
     """Make the group if nobody has; True when this call made it (and must destroy it).
 
-    Without torchrun this is a world of one on an in-memory store: DDP then runs its
-    real code path (hooks, no_sync) with nothing to talk to, which tests use.
+    Without torchrun this is a world of one on an in-memory store: DDP and FSDP then run
+    their real code paths (hooks, no_sync, sharding over one rank) with nothing to talk to,
+    which tests and scripts/bench_distributed.py use.
     """
     if active():
         return False
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if "MASTER_ADDR" in os.environ and "RANK" in os.environ:  # started by torchrun, even as a world of one
         init_from_env(device.type)
     else:
         dist.init_process_group(backend_for(device.type), store=dist.HashStore(), rank=0, world_size=1)

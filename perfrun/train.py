@@ -501,8 +501,9 @@ def train_loop(cfg: Any, s: Setup, sink: JsonlSink, reporter: ConsoleReporter, m
 
             if monitor is not None and step % cfg.monitor.every_n_steps == 0:
                 stats = monitor.collect(step, None)  # step times attached at the end: no sync here
-                sink.write({"kind": "monitor", "step": step, **stats})
-                reporter.monitor(step, stats)
+                ranks = _every_rank(stats)  # every rank's GPU and host figures, in rank 0's log
+                sink.write({"kind": "monitor", "step": step, **stats, **({"ranks": ranks} if ranks else {})})
+                reporter.monitor(step, stats, ranks)
 
             if stopping:
                 interrupted_by = stop.signum or int(signal.SIGTERM)  # another rank got the signal first
@@ -631,7 +632,12 @@ def run(cfg: Any, run_dir: Path | None, *, overrides: list[str] | None = None) -
                 summary["memory_snapshot_path"] = dump_memory_snapshot(run_dir, "end of the job")
             if monitor is not None:
                 monitor.close()
-                summary["monitor"] = monitor.summary(figures["tokens"] - start.tokens)
+                # this rank's energy over this rank's tokens; the job's is summed over ranks
+                summary["monitor"] = monitor.summary((figures["tokens"] - start.tokens) // s.throughput.world)
+                ranks = _every_rank(summary["monitor"])
+                if ranks:
+                    summary["monitor_ranks"] = ranks
+                    summary["monitor_job"] = _job_energy(ranks, figures["tokens"] - start.tokens)
             del s
         if figures["failure"]:
             raise RunFailed(figures["failure"])
@@ -669,6 +675,25 @@ def run(cfg: Any, run_dir: Path | None, *, overrides: list[str] | None = None) -
             write_json_atomic(run_dir / "summary.json", summary)
         if summary["status"] == "completed":
             _log_summary(summary)
+
+
+def _every_rank(stats: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """Under several ranks: each rank's ``stats`` tagged with its rank and host, gathered
+    to rank 0 over the host (gloo) group, so no GPU waits; None on other ranks and alone."""
+    if distributed.world_size() == 1:
+        return None
+    import socket
+
+    return distributed.gather_to_rank0({"rank": distributed.rank(), "host": socket.gethostname(), **stats})
+
+
+def _job_energy(ranks: list[dict[str, Any]], tokens: int) -> dict[str, Any]:
+    """The whole job's energy: every rank's GPU, over every rank's tokens."""
+    energies = [r.get("energy_j") for r in ranks]
+    total = sum(energies) if energies and all(e is not None for e in energies) else None
+    return {"energy_j": total, "joules_per_token": total / tokens if total is not None and tokens > 0 else None,
+            "power_w_mean_sum": sum(r["power_w_mean"] for r in ranks) if all(r.get("power_w_mean") is not None for r in ranks) else None,
+            "ranks": len(ranks)}
 
 
 def _release(device: torch.device | None) -> None:

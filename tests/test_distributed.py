@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from perfrun.data import ResumableSampler
+from perfrun.telemetry.sinks import _fmt_monitor
 from perfrun.train import run
 
 from conftest import TINY_MODEL, losses, make_cfg, run_cli, torchrun
@@ -31,7 +32,7 @@ def ddp_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     torchrun), no hydra.run.dir: the parent resolves outputs/DATE/TIME once for both."""
     cwd = tmp_path_factory.mktemp("ddp")
     p = run_cli("train", *COMMON, "distributed=ddp", "nproc=2", "dataloader.batch_size=2",
-                "checkpoint.every_n_steps=3", "checkpoint.keep_last=5", cwd=cwd, timeout=120)
+                "checkpoint.every_n_steps=3", "checkpoint.keep_last=5", "monitor.every_n_steps=3", cwd=cwd, timeout=120)
     assert p.returncode == 0, p.stderr
     return cwd
 
@@ -69,6 +70,37 @@ def test_only_rank_0_writes_into_one_run_dir(ddp_run: Path) -> None:
                      "metrics.jsonl", "summary.json", "train.log"]
     lines = (ddp_run.joinpath(*run_dir) / "metrics.jsonl").read_text().splitlines()
     assert len([r for r in map(json.loads, lines) if r["kind"] == "train"]) == STEPS  # one writer, no duplicates
+
+
+def test_every_ranks_telemetry_reaches_rank_0s_log(ddp_run: Path) -> None:
+    (run_dir,) = [p.parent for p in ddp_run.glob("outputs/*/*/summary.json")]
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    monitors = [r for r in map(json.loads, lines) if r["kind"] == "monitor"]
+    assert [r["step"] for r in monitors] == [3, 6]
+    for r in monitors:
+        assert [x["rank"] for x in r["ranks"]] == [0, 1]
+        assert all(x["rss_mib_max"] > 0 and x["host"] for x in r["ranks"])  # measured by each rank itself
+        assert r["ranks"][0]["rss_mib_max"] == r["rss_mib_max"]  # rank 0's own figures stay at the top level
+    s = json.loads((run_dir / "summary.json").read_text())
+    assert [x["rank"] for x in s["monitor_ranks"]] == [0, 1] and s["monitor_job"]["ranks"] == 2
+    line = _fmt_monitor(3, monitors[0], monitors[0]["ranks"])  # the console line (progress=off here)
+    rss = "/".join(format(x["rss_mib_max"], ",.0f") for x in monitors[0]["ranks"])
+    assert line.startswith("monitor step 3 (ranks 0/1) |") and f"RSS {rss} MiB" in line
+
+
+def test_a_sweep_of_distributed_jobs_starts_torchrun_per_job(tmp_path: Path) -> None:
+    """nproc=1,2: each job with nproc > 1 starts its own torchrun into its job folder."""
+    p = run_cli("train", "-m", *COMMON, "max_steps=4", "distributed=ddp", "nproc=1,2", "dataloader.batch_size=2",
+                "checkpoint.at_end=false", cwd=tmp_path, timeout=180)
+    assert p.returncode == 0, p.stderr
+    (sweep,) = tmp_path.glob("outputs/multirun/*/*")
+    summaries = [json.loads((sweep / str(n) / "summary.json").read_text()) for n in (0, 1)]
+    assert [s["status"] for s in summaries] == ["completed", "completed"]
+    assert [s["world_size"] for s in summaries] == [1, 2]
+    assert [s["tokens_per_step"] for s in summaries] == [2 * 2 * 32, 2 * 2 * 32 * 2]  # batch x accumulation x seq x ranks
+    assert len(list(sweep.rglob("metrics.jsonl"))) == 2 and len(list(sweep.rglob("config.yaml"))) == 2  # one writer each
+    table = json.loads((sweep / "sweep_summary.json").read_text())
+    assert len(table["rows"]) == 2 and {r["status"] for r in table["rows"]} == {"completed"}
 
 
 def test_resume_under_ddp_is_exact(ddp_run: Path) -> None:

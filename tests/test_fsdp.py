@@ -133,3 +133,22 @@ def test_fsdp_mixed_precision_policy_follows_the_precision_group(precision: str,
     assert s["knobs"]["fsdp"]["reduce_dtype"] == "float32"
     assert s["knobs"].get("grad_scaler", False) == (precision == "fp16")
     assert s["final_train_loss"] == pytest.approx(5.5, abs=0.5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compile_", [False, True])
+def test_fsdp_on_cuda_over_nccl_trains_saves_and_resumes(compile_: bool, tmp_path: Path) -> None:
+    """One rank on the GPU, under torchrun, so the group is NCCL with the gloo side group."""
+    args = [*COMMON, "device=cuda", "precision=bf16", "distributed=fsdp", "dataloader.batch_size=4",
+            f"compile={str(compile_).lower()}", "checkpoint.every_n_steps=3"]
+    p = torchrun(tmp_path, *args, f"hydra.run.dir={tmp_path / 'a'}", nproc=1)
+    assert p.returncode == 0, p.stderr
+    s = json.loads((tmp_path / "a" / "summary.json").read_text())
+    assert s["status"] == "completed" and s["knobs"]["fsdp"]["param_dtype"] == "bfloat16"
+    assert s["environment"]["device_name"] and s["peak_mem_source"] == "cuda_max_memory_allocated"
+    p = torchrun(tmp_path, *args, f"resume={tmp_path / 'a' / 'checkpoints' / 'step_0000003'}",
+                 f"hydra.run.dir={tmp_path / 'b'}", nproc=1)
+    assert p.returncode == 0, p.stderr
+    a, b = losses(tmp_path / "a"), losses(tmp_path / "b")
+    assert sorted(b) == [4, 5, 6]
+    assert all(abs(a[k] - b[k]) <= 1e-3 * abs(a[k]) for k in b), (a, b)  # bf16 kernels may differ run to run

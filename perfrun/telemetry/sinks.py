@@ -95,23 +95,28 @@ def _fmt_record(r: dict[str, Any]) -> str:
     return " | ".join(parts)
 
 
-_MONITOR_FIELDS = (
-    ("gpu_util_pct_mean", "GPU {:.0f}%"),
-    ("gpu_mem_used_mib", "mem {:,.0f} MiB"),
-    ("power_w_mean", "{:.0f} W"),
-    ("temp_c_max", "{:.0f} C"),
-    ("sm_clock_mhz_mean", "SM {:.0f} MHz"),
-    ("energy_j", "{:.1f} J"),
-    ("host_cpu_pct_mean", "host CPU {:.0f}%"),
-    ("rss_mib_max", "RSS {:,.0f} MiB"),
-    ("workers_cpu_pct_mean", "workers CPU {:.0f}%"),
+_MONITOR_FIELDS = (  # key, label, number format, unit
+    ("gpu_util_pct_mean", "GPU ", ".0f", "%"),
+    ("gpu_mem_used_mib", "mem ", ",.0f", " MiB"),
+    ("power_w_mean", "", ".0f", " W"),
+    ("temp_c_max", "", ".0f", " C"),
+    ("sm_clock_mhz_mean", "SM ", ".0f", " MHz"),
+    ("energy_j", "", ".1f", " J"),
+    ("host_cpu_pct_mean", "host CPU ", ".0f", "%"),
+    ("rss_mib_max", "RSS ", ",.0f", " MiB"),
+    ("workers_cpu_pct_mean", "workers CPU ", ".0f", "%"),
 )
 
 
-def _fmt_monitor(step: int, r: dict[str, Any]) -> str:
-    """One console line per telemetry sample; fields that are N/A are left out."""
-    parts = [f"monitor step {step}"]
-    parts += [fmt.format(r[k]) for k, fmt in _MONITOR_FIELDS if r.get(k) is not None]
+def _fmt_monitor(step: int, r: dict[str, Any], ranks: list[dict[str, Any]] | None = None) -> str:
+    """One console line per telemetry sample; fields that are N/A are left out. With
+    several ranks, each field lists every rank's value, rank 0 first (``GPU 98/97%``)."""
+    rows = ranks or [r]
+    parts = [f"monitor step {step}" + (f" (ranks {'/'.join(str(i) for i in range(len(rows)))})" if ranks else "")]
+    for key, label, spec, unit in _MONITOR_FIELDS:
+        values = [row.get(key) for row in rows]
+        if any(v is not None for v in values):
+            parts.append(label + "/".join("-" if v is None else format(v, spec) for v in values) + unit)
     reasons = r.get("throttle_reasons")
     if reasons is not None:
         parts.append("throttle: " + (", ".join(reasons) if reasons else "none"))
@@ -158,9 +163,9 @@ class ConsoleReporter:
             self._progress.update(self._task, completed=record["step"], live=live)
         log.info(_fmt_record(record))
 
-    def monitor(self, step: int, record: dict[str, Any]) -> None:
+    def monitor(self, step: int, record: dict[str, Any], ranks: list[dict[str, Any]] | None = None) -> None:
         if self.mode != "off":
-            log.info(_fmt_monitor(step, record))
+            log.info(_fmt_monitor(step, record, ranks))
 
     def line(self, text: str) -> None:
         if self.mode != "off":
