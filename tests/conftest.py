@@ -58,9 +58,15 @@ def make_cfg(*overrides: str, tiny: bool = True) -> Any:
         return compose("train", overrides=(TINY if tiny else []) + list(overrides))
 
 
+def _pythonpath() -> str:
+    """This checkout first, then whatever the caller's PYTHONPATH holds (the GPU machine
+    keeps Hydra there)."""
+    return os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+
+
 def run_cli(*args: str, cwd: Path, timeout: float = 240, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """``perfrun ARGS`` in a real subprocess, as a user runs it."""
-    full_env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200", **(env or {})}
+    full_env = {**os.environ, "PYTHONPATH": _pythonpath(), "COLUMNS": "200", **(env or {})}
     return subprocess.run(
         [sys.executable, "-m", "perfrun", *args], cwd=cwd, env=full_env,
         capture_output=True, text=True, timeout=timeout,
@@ -69,7 +75,7 @@ def run_cli(*args: str, cwd: Path, timeout: float = 240, env: dict[str, str] | N
 
 def torchrun(cwd: Path, *args: str, nproc: int = 2) -> subprocess.CompletedProcess:
     """``torchrun --nproc_per_node=N -m perfrun train ARGS``, as a user starts it by hand."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200"}
+    env = {**os.environ, "PYTHONPATH": _pythonpath(), "COLUMNS": "200"}
     return subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
          "-m", "perfrun", "train", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)

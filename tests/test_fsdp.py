@@ -42,7 +42,7 @@ def test_two_fsdp_ranks_match_one_process(fsdp_dir: Path, tmp_path: Path) -> Non
     s = json.loads((fsdp_dir / "summary.json").read_text())
     assert s["status"] == "completed" and s["world_size"] == 2 and s["knobs"]["distributed"] == "fsdp"
     assert s["knobs"]["fsdp"] == {"shard_groups": 3, "param_dtype": "float32", "reduce_dtype": "float32",
-                                  "reshard_after_forward": True}
+                                  "reshard_after_forward": True, "backend": "gloo"}
     run(make_cfg(*COMMON, "dataloader.batch_size=4", "checkpoint.at_end=false"), tmp_path)
     a, b = losses(tmp_path), losses(fsdp_dir)
     assert sorted(a) == sorted(b) == list(range(1, STEPS + 1))
@@ -145,6 +145,8 @@ def test_fsdp_on_cuda_over_nccl_trains_saves_and_resumes(compile_: bool, tmp_pat
     assert p.returncode == 0, p.stderr
     s = json.loads((tmp_path / "a" / "summary.json").read_text())
     assert s["status"] == "completed" and s["knobs"]["fsdp"]["param_dtype"] == "bfloat16"
+    assert s["knobs"]["fsdp"]["backend"] == "nccl"
+    assert s["knobs"]["compile"] == compile_ and (not compile_ or s["knobs"]["compile_options"]["scope"] == "blocks")
     assert s["environment"]["device_name"] and s["peak_mem_source"] == "cuda_max_memory_allocated"
     p = torchrun(tmp_path, *args, f"resume={tmp_path / 'a' / 'checkpoints' / 'step_0000003'}",
                  f"hydra.run.dir={tmp_path / 'b'}", nproc=1)

@@ -44,6 +44,7 @@ def apply(cfg: Any, device: torch.device, plan: Any, stack: ExitStack) -> None:
         "param_dtype": str(policy.param_dtype or torch.float32).removeprefix("torch."),
         "reduce_dtype": str(policy.reduce_dtype).removeprefix("torch."),
         "reshard_after_forward": True,
+        "backend": torch.distributed.get_backend(),
     }
 
 
