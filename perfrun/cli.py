@@ -199,6 +199,16 @@ def _join_torchrun(args: list[str], composed: Any) -> list[str]:
     return _dir_overrides(*dirs) + (QUIET_RANK if distributed.rank() != 0 else [])
 
 
+def _failed_jobs(in_process: list[str]) -> list[str]:
+    """The sweep's failed jobs: those run in this process, or else those that the sweep
+    summary found on disk, which is where a launcher that runs each job in another process
+    (slurm, slurm_local) leaves them. The summary's list is emptied for the next run."""
+    from perfrun import sweep
+
+    on_disk, sweep.FAILED[:] = list(sweep.FAILED), []
+    return in_process or on_disk
+
+
 def _unwritable(run_dir: Path) -> str | None:
     """Check, without creating it, that the run dir can be made: its nearest existing
     ancestor must be a folder we can write a file into."""
@@ -291,6 +301,7 @@ def _run_app(args: list[str]) -> int:
         app()
     finally:
         sys.argv = saved
+    _FAILED_JOBS[:] = _failed_jobs(list(_FAILED_JOBS))
     if _FAILED_JOBS:
         _error(f"{len(_FAILED_JOBS)} job(s) of the sweep failed: " + "; ".join(_FAILED_JOBS))
         return 1
