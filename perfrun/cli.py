@@ -58,8 +58,9 @@ def _usage() -> str:
 
 def _error(message: str) -> None:
     from rich.console import Console
+    from rich.markup import escape
 
-    Console(stderr=True, highlight=False, soft_wrap=True).print(f"[bold red]perfrun: error:[/] {message}", markup=True)
+    Console(stderr=True, highlight=False, soft_wrap=True).print(f"[bold red]perfrun: error:[/] {escape(message)}", markup=True)
 
 
 def _one_line(exc: BaseException) -> str:
@@ -199,6 +200,36 @@ def _join_torchrun(args: list[str], composed: Any) -> list[str]:
     return _dir_overrides(*dirs) + (QUIET_RANK if distributed.rank() != 0 else [])
 
 
+# hydra/launcher options that hydra-submitit-launcher provides (submitit_*) or that build on it
+SUBMITIT_LAUNCHERS = ("slurm", "slurm_local", "submitit_slurm", "submitit_local")
+
+
+def _launcher_problem(args: list[str]) -> str | None:
+    """``hydra/launcher=slurm`` without the plugin behind it, or a SLURM sweep where there
+    is no SLURM: one line, where Hydra would print a page or a traceback (the preflight
+    leaves ``-m`` to Hydra)."""
+    import shutil
+
+    chosen = [a.split("=", 1)[1] for a in args if a.lstrip("+").startswith("hydra/launcher=")]
+    if not chosen or chosen[-1] not in SUBMITIT_LAUNCHERS:
+        return None
+    name = chosen[-1]
+    try:
+        found = importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is not None
+    except ImportError:  # not even the hydra_plugins namespace: no Hydra plugin at all
+        found = False
+    if not found:
+        return (f"hydra/launcher={name} needs the Hydra plugin hydra-submitit-launcher (it hands each job to "
+                "SLURM, or to a local process, through submitit), which this Python lacks; "
+                "install it with pip install 'perfrun[slurm]'")
+    sweep = "-m" in args or "--multirun" in args
+    if sweep and name in ("slurm", "submitit_slurm") and shutil.which("srun") is None:
+        return (f"hydra/launcher={name} submits the sweep's jobs to SLURM, but there is no srun on this "
+                "machine's PATH (not a SLURM login node); run the sweep from one, or try it here first "
+                "with hydra/launcher=slurm_local")
+    return None
+
+
 def _failed_jobs(in_process: list[str]) -> list[str]:
     """The sweep's failed jobs: those run in this process, or else those that the sweep
     summary found on disk, which is where a launcher that runs each job in another process
@@ -233,6 +264,10 @@ def train_main(args: list[str]) -> int:
     from perfrun.config import ConfigError, check_distributed, register_configs
 
     register_configs()
+    launcher = _launcher_problem(args)
+    if launcher is not None:
+        _error(launcher)
+        return 2
     problem, composed = _preflight(args)
     if problem is not None:
         _error(problem)
