@@ -59,8 +59,9 @@ def _usage() -> str:
 
 def _error(message: str) -> None:
     from rich.console import Console
+    from rich.markup import escape
 
-    Console(stderr=True, highlight=False, soft_wrap=True).print(f"[bold red]perfrun: error:[/] {message}", markup=True)
+    Console(stderr=True, highlight=False, soft_wrap=True).print(f"[bold red]perfrun: error:[/] {escape(message)}", markup=True)
 
 
 def _one_line(exc: BaseException) -> str:
@@ -232,6 +233,45 @@ def _multirun(args: list[str]) -> bool:
     return any(a in ("-m", "--multirun") or a == "hydra.mode=MULTIRUN" for a in args)
 
 
+# hydra/launcher options that hydra-submitit-launcher provides (submitit_*) or that build on it
+SUBMITIT_LAUNCHERS = ("slurm", "slurm_local", "submitit_slurm", "submitit_local")
+
+
+def _launcher_problem(args: list[str]) -> str | None:
+    """``hydra/launcher=slurm`` without the plugin behind it, or a SLURM sweep where there
+    is no SLURM: one line, where Hydra would print a page or a traceback (the preflight
+    leaves ``-m`` to Hydra)."""
+    import shutil
+
+    chosen = [a.split("=", 1)[1] for a in args if a.lstrip("+").startswith("hydra/launcher=")]
+    if not chosen or chosen[-1] not in SUBMITIT_LAUNCHERS:
+        return None
+    name = chosen[-1]
+    try:
+        found = importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is not None
+    except ImportError:  # not even the hydra_plugins namespace: no Hydra plugin at all
+        found = False
+    if not found:
+        return (f"hydra/launcher={name} needs the Hydra plugin hydra-submitit-launcher (it hands each job to "
+                "SLURM, or to a local process, through submitit), which this Python lacks; "
+                "install it with pip install 'perfrun[slurm]'")
+    if _multirun(args) and name in ("slurm", "submitit_slurm") and shutil.which("srun") is None:
+        return (f"hydra/launcher={name} submits the sweep's jobs to SLURM, but there is no srun on this "
+                "machine's PATH (not a SLURM login node); run the sweep from one, or try it here first "
+                "with hydra/launcher=slurm_local")
+    return None
+
+
+def _failed_jobs(in_process: list[str]) -> list[str]:
+    """The sweep's failed jobs: those run in this process, or else those that the sweep
+    summary found on disk, which is where a launcher that runs each job in another process
+    (slurm, slurm_local) leaves them. The summary's list is emptied for the next run."""
+    from perfrun import sweep
+
+    on_disk, sweep.FAILED[:] = list(sweep.FAILED), []
+    return in_process or on_disk
+
+
 def _unwritable(run_dir: Path) -> str | None:
     """Check, without creating it, that the run dir can be made: its nearest existing
     ancestor must be a folder we can write a file into."""
@@ -256,6 +296,10 @@ def train_main(args: list[str]) -> int:
     from perfrun.config import ConfigError, check_distributed, register_configs
 
     register_configs()
+    launcher = _launcher_problem(args)
+    if launcher is not None:
+        _error(launcher)
+        return 2
     problem, composed = _preflight(args)
     if problem is not None:
         _error(problem)
@@ -331,6 +375,7 @@ def _run_app(args: list[str]) -> int:
         app()
     finally:
         sys.argv = saved
+    _FAILED_JOBS[:] = _failed_jobs(list(_FAILED_JOBS))
     if _FAILED_JOBS:
         _error(f"{len(_FAILED_JOBS)} job(s) of the sweep failed: " + "; ".join(_FAILED_JOBS))
         return 1
