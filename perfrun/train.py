@@ -342,6 +342,35 @@ def restore(s: Setup, ckpt: dict[str, Any], path: Path, seed: int) -> Start:
                  tokens=int(ckpt.get("tokens", 0)))
 
 
+def _resolve_resume(spec: str, ckpt_dir: Path | None) -> Path | None:
+    """Rank 0 picks the checkpoint (``auto``: the newest) and every rank takes that one,
+    so ranks never resume from different steps."""
+    found, error = None, None
+    if distributed.rank() == 0:
+        try:
+            found = checkpoint.resolve(spec, ckpt_dir)
+        except ConfigError as e:
+            error = str(e)
+    found, error = distributed.from_rank0((found, error))
+    if error is not None:
+        raise ConfigError(error)
+    return found
+
+
+def _load_on_every_rank(path: Path) -> dict[str, Any]:
+    """Each rank reads the checkpoint; if one cannot (a folder not shared between nodes),
+    all stop with the reason instead of waiting for each other."""
+    ckpt, problem = None, None
+    try:
+        ckpt = checkpoint.load(path)
+    except ConfigError as e:
+        problem = str(e)
+    if distributed.any_rank(problem is not None):
+        raise ConfigError(problem or f"resume={path}: another rank cannot read this checkpoint; put checkpoints "
+                          "on a filesystem that every node sees (checkpoint.dir=/shared/...)")
+    return ckpt
+
+
 def model_shape(s: Setup) -> dict[str, int]:
     c = s.plan.raw_model.config
     return {"n_layer": c.n_layer, "n_head": c.n_head, "n_embd": c.n_embd, "block_size": c.block_size,
@@ -594,12 +623,12 @@ def run(cfg: Any, run_dir: Path | None, *, overrides: list[str] | None = None) -
             if stop.requested:  # Ctrl-C or SIGTERM during setup: nothing to save yet
                 raise Interrupted(stop.signum, f"stopped by {signal.Signals(stop.signum).name} during setup, before step 1")
             if cfg.resume:
-                path = checkpoint.resolve(str(cfg.resume), ckpt_dir)
+                path = _resolve_resume(str(cfg.resume), ckpt_dir)
                 if path is None:
                     log.warning(f"resume=auto: no checkpoint in {ckpt_dir}; starting from step 0 "
                                 "(to continue a run, start it with the same hydra.run.dir or checkpoint.dir)")
                 else:
-                    ckpt = checkpoint.load(path)
+                    ckpt = _load_on_every_rank(path)
                     config = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(cfg)
                     checkpoint.check_compatible(ckpt, model_shape(s), config, path, distributed.world_size())
                     start = restore(s, ckpt, path, cfg.seed)
