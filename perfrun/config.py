@@ -92,7 +92,7 @@ class OptimConfig:
 @dataclass
 class CompileOptions:
     mode: str = "default"  # default | reduce-overhead | max-autotune
-    scope: str = "auto"  # auto | model | blocks (see perfrun/knobs/compile.py); auto: blocks under FSDP
+    scope: str = "model"  # model | blocks: the whole module, or each block's forward (perfrun/knobs/compile.py)
     fullgraph: bool = False
     dynamic: bool | None = False
 
@@ -181,7 +181,7 @@ _CHOICES = {
     "optim.name": ("adamw",),
     "optim.fused": ("auto", "true", "false"),
     "compile_options.mode": ("default", "reduce-overhead", "max-autotune"),
-    "compile_options.scope": ("auto", "model", "blocks"),
+    "compile_options.scope": ("model", "blocks"),
     "attention": ("sdpa", "eager"),
     "sdpa_backend": ("auto", "flash", "efficient", "cudnn", "math"),
     "progress": ("auto", "bar", "plain", "off"),

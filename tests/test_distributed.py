@@ -121,6 +121,15 @@ def test_resume_under_ddp_is_exact(ddp_run: Path) -> None:
     assert s["start_step"] == 3 and s["data_position"] == json.loads((run_dir / "summary.json").read_text())["data_position"]
 
 
+def test_a_ddp_checkpoint_resumes_in_one_process_with_the_same_global_batch(ddp_run: Path, tmp_path: Path) -> None:
+    (run_dir,) = [p.parent for p in ddp_run.glob("outputs/*/*/summary.json")]
+    s = run(make_cfg(*COMMON, "dataloader.batch_size=4", f"resume={run_dir / 'checkpoints' / 'step_0000003.pt'}",
+                     "checkpoint.at_end=false"), tmp_path)
+    a, b = losses(run_dir), losses(tmp_path)
+    assert s["start_step"] == 3 and sorted(b) == [4, 5, 6]
+    assert all(abs(a[k] - b[k]) <= TOL * abs(a[k]) for k in b), (a, b)
+
+
 @pytest.mark.parametrize("args, says", [
     (["nproc=2"], "nproc=2 needs distributed=ddp"),
     (["distributed=ddp", "nproc=0"], "nproc=0 must be >= 1"),
