@@ -8,7 +8,12 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -19,7 +24,7 @@ from perfrun.config import ConfigError
 from perfrun.generate import load_model
 from perfrun.train import run
 
-from conftest import TINY_MODEL, losses, make_cfg, run_cli, torchrun
+from conftest import REPO, TINY_MODEL, losses, make_cfg, run_cli, torchrun
 
 TOL = 1e-5  # float32 sums in another order (see test_distributed.py)
 STEPS = 6
@@ -123,6 +128,34 @@ def test_generate_and_export_read_a_sharded_checkpoint(fsdp_dir: Path, tmp_path:
     assert a.keys() == b.keys()
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_sigterm_stops_every_rank_at_one_step_and_the_sharded_save_resumes(tmp_path: Path) -> None:
+    """SIGTERM to ``perfrun train distributed=fsdp nproc=2`` (as a scheduler sends it): the
+    launcher passes it to torchrun, which passes it to both ranks; they agree on one step,
+    write one sharded checkpoint together, and exit 143; resume=auto continues from there."""
+    args = [*COMMON, "distributed=fsdp", "dataloader.batch_size=2", f"hydra.run.dir={tmp_path / 'run'}"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    p = subprocess.Popen([sys.executable, "-m", "perfrun", "train", *args, "nproc=2", "max_steps=100000"],
+                         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    end = time.monotonic() + 120
+    while not (metrics.exists() and metrics.stat().st_size > 0):
+        assert time.monotonic() < end and p.poll() is None, p.stderr.read() if p.poll() is not None else "timeout"
+        time.sleep(0.01)
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 143 and "Traceback" not in err, err
+    s = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert s["status"] == "interrupted" and s["interrupted_by"] == signal.SIGTERM
+    (ckpt,) = checkpoint.list_checkpoints(tmp_path / "run" / "checkpoints")
+    meta = checkpoint.load(ckpt)
+    assert meta["step"] == s["steps"] and meta["world_size"] == 2 and len(list(ckpt.glob("*.distcp"))) == 2
+    stop = s["steps"]
+    r = run_cli("train", *args, "nproc=2", f"max_steps={stop + 2}", "resume=auto", cwd=tmp_path, timeout=120)
+    assert r.returncode == 0, r.stderr
+    s2 = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert s2["status"] == "completed" and s2["start_step"] == stop and s2["steps"] == stop + 2
 
 
 @pytest.mark.parametrize("precision, dtype", [("bf16", "bfloat16"), ("fp16", "float16")])
