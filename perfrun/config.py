@@ -98,6 +98,16 @@ class CompileOptions:
 
 
 @dataclass
+class FsdpOptions:
+    """``distributed=fsdp`` settings (perfrun/knobs/fsdp.py)."""
+
+    # True: free each block's gathered weights after its forward and gather them again for
+    # the backward (ZeRO-3: least memory); false: keep them to the backward (ZeRO-2 style:
+    # one all-gather fewer per block, the full weights held through the step)
+    reshard_after_forward: bool = True
+
+
+@dataclass
 class MonitorConfig:
     every_n_steps: int = 10  # NVML and host telemetry; 0 turns it off
     sample_interval_s: float = 0.1  # background sampler period
@@ -165,6 +175,7 @@ class TrainConfig:
     profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
     memory_snapshot: bool = False  # CUDA allocator history for pytorch.org/memory_viz
     distributed: str = "none"  # none | ddp | fsdp
+    fsdp: FsdpOptions = field(default_factory=FsdpOptions)
     nproc: int = 1  # ddp, fsdp: processes on this machine; perfrun train starts torchrun for nproc > 1
 
 

@@ -158,11 +158,14 @@ def test_sigterm_stops_every_rank_at_one_step_and_the_sharded_save_resumes(tmp_p
     assert s2["status"] == "completed" and s2["start_step"] == stop and s2["steps"] == stop + 2
 
 
-@pytest.mark.parametrize("precision, dtype", [("bf16", "bfloat16"), ("fp16", "float16")])
-def test_fsdp_mixed_precision_policy_follows_the_precision_group(precision: str, dtype: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("precision, dtype, reshard", [("bf16", "bfloat16", True), ("fp16", "float16", False)])
+def test_fsdp_mixed_precision_policy_follows_the_precision_group(
+        precision: str, dtype: str, reshard: bool, tmp_path: Path) -> None:
     s = run(make_cfg(*COMMON, "distributed=fsdp", "dataloader.batch_size=4", f"precision={precision}",
-                     "max_steps=3", "checkpoint.at_end=false"), tmp_path)
+                     f"fsdp.reshard_after_forward={str(reshard).lower()}", "max_steps=3", "checkpoint.at_end=false"),
+            tmp_path)
     assert s["status"] == "completed" and s["knobs"]["fsdp"]["param_dtype"] == dtype
+    assert s["knobs"]["fsdp"]["reshard_after_forward"] is reshard
     assert s["knobs"]["fsdp"]["reduce_dtype"] == "float32"
     assert s["knobs"].get("grad_scaler", False) == (precision == "fp16")
     assert s["final_train_loss"] == pytest.approx(5.5, abs=0.5)

@@ -33,9 +33,10 @@ def apply(cfg: Any, device: torch.device, plan: Any, stack: ExitStack) -> None:
     dtype = DTYPES[cfg.precision.dtype]
     policy = MixedPrecisionPolicy(param_dtype=None if dtype == torch.float32 else dtype, reduce_dtype=torch.float32)
     model = plan.raw_model
+    reshard = bool(cfg.fsdp.reshard_after_forward)
     for block in model.blocks:
-        fully_shard(block, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+        fully_shard(block, mp_policy=policy, reshard_after_forward=reshard)
+    fully_shard(model, mp_policy=policy, reshard_after_forward=reshard)
     plan.model = model  # fully_shard changes the module in place: raw_model is the sharded one too
     plan.micro_step_context = _sync_on_last(model)
     plan.sharded_state = True
@@ -43,7 +44,7 @@ def apply(cfg: Any, device: torch.device, plan: Any, stack: ExitStack) -> None:
         "shard_groups": len(model.blocks) + 1,
         "param_dtype": str(policy.param_dtype or torch.float32).removeprefix("torch."),
         "reduce_dtype": str(policy.reduce_dtype).removeprefix("torch."),
-        "reshard_after_forward": True,
+        "reshard_after_forward": reshard,
         "backend": torch.distributed.get_backend(),
     }
 
