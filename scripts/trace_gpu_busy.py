@@ -17,11 +17,15 @@ from pathlib import Path
 
 def busy(trace: Path) -> dict[str, float]:
     events = json.loads(trace.read_text())["traceEvents"]
-    steps = [e for e in events if e.get("ph") == "X" and str(e.get("name", "")).startswith("ProfilerStep#")]
+    marks = [e for e in events if e.get("ph") == "X" and str(e.get("name", "")).startswith("ProfilerStep#")]
+    # each step is marked twice: on the host ("user_annotation") and, on CUDA, on the device
+    # timeline ("gpu_user_annotation"), which is where its kernels run: use that one
+    steps = [e for e in marks if e.get("cat") == "gpu_user_annotation"] or [
+        e for e in marks if e.get("cat") == "user_annotation"]
     if not steps:
         raise SystemExit(f"{trace}: no ProfilerStep events; is it a perfrun profile=true trace?")
     t0, t1 = min(e["ts"] for e in steps), max(e["ts"] + e["dur"] for e in steps)
-    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel" and t0 <= e["ts"] <= t1]
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel" and t0 <= e["ts"] < t1]
     # kernels may overlap on several streams: merge their intervals before summing
     spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in kernels)
     covered, end = 0.0, float("-inf")
