@@ -32,7 +32,7 @@ from perfrun.config import ConfigError
 
 FORMAT = 1
 _NAME = re.compile(r"^step_(\d+)(\.pt)?$")
-_PARTIAL = re.compile(r"^\.step_\d+\.partial$")
+_PARTIAL = re.compile(r"^\.step_\d+(\.replaced)?\.partial$")
 META = "meta.pt"  # in a sharded checkpoint folder: everything but the model and optimizer
 SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")
 
@@ -117,8 +117,6 @@ def save_sharded(folder: Path, step: int, model: torch.nn.Module, optimizer: tor
             folder.mkdir(parents=True, exist_ok=True)
             for stale in (p for p in folder.iterdir() if _PARTIAL.match(p.name)):  # a save cut short earlier
                 shutil.rmtree(stale)
-            if final.exists():  # the same step saved again (a resumed run stopped at once)
-                shutil.rmtree(final)
         except OSError as e:
             problem = str(_write_error(folder, step, e))
     problem = distributed.from_rank0(problem)
@@ -133,7 +131,13 @@ def save_sharded(folder: Path, step: int, model: torch.nn.Module, optimizer: tor
     if distributed.rank() == 0:
         try:
             atomic_write(partial / META, lambda f: torch.save(payload, f))
-            partial.rename(final)
+            if final.exists():  # the same step saved before: set it aside only once the new one is whole
+                replaced = folder / f".{final.name}.replaced.partial"
+                final.rename(replaced)
+                partial.rename(final)
+                shutil.rmtree(replaced)
+            else:
+                partial.rename(final)
             fsync_dir(folder)
             _prune(folder, keep_last)
         except OSError as e:

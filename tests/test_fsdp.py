@@ -190,3 +190,23 @@ def test_fsdp_on_cuda_over_nccl_trains_saves_and_resumes(compile_: bool, tmp_pat
     a, b = losses(tmp_path / "a"), losses(tmp_path / "b")
     assert sorted(b) == [4, 5, 6]
     assert all(abs(a[k] - b[k]) <= 1e-3 * abs(a[k]) for k in b), (a, b)  # bf16 kernels may differ run to run
+
+
+def test_saving_a_step_again_replaces_it_only_once_the_new_one_is_whole(tmp_path: Path) -> None:
+    """One process, no process group (DCP then writes alone): the second save of step 5
+    is written beside the first and takes its name only when complete."""
+    from perfrun.model import GPT, GPTConfig
+
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=1, n_embd=8, dropout=0.0, bias=True,
+                          attention="sdpa"))
+    opt = torch.optim.AdamW(model.parameters())
+    checkpoint.save_sharded(tmp_path, 5, model, opt, {"note": "first"}, keep_last=3)
+    with torch.no_grad():
+        model.wte.weight.add_(1.0)
+    checkpoint.save_sharded(tmp_path, 5, model, opt, {"note": "second"}, keep_last=3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_0000005"]
+    ckpt = checkpoint.load(tmp_path / "step_0000005")
+    assert ckpt["note"] == "second"
+    fresh = GPT(model.config)
+    checkpoint.load_model_weights(ckpt, fresh)
+    assert torch.equal(fresh.wte.weight, model.wte.weight)
