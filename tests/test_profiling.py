@@ -44,6 +44,40 @@ def test_gpu_profile_and_memory_snapshot(tmp_path: Path) -> None:
     s = run(make_cfg("device=cuda", "precision=bf16", "max_steps=12", "profile=true", "profiler.start_step=4",
                      "memory_snapshot=true"), tmp_path)
     assert "Self CUDA" in (tmp_path / "profile" / "top_ops.txt").read_text()
+    assert "Self CPU" in (tmp_path / "profile" / "top_ops_cpu.txt").read_text()
+    gpu = s["knobs"]["profile"]["gpu"]
+    assert gpu["steps"] == 3 and 0 < gpu["kernel_ms_per_step"] <= gpu["wall_ms_per_step"]
+    assert 0 < gpu["gpu_busy_pct"] <= 100 and gpu["kernels_per_step"] > 10
     assert s["step_breakdown"]["method"] == "CUDA events on the device timeline"
     snapshot = pickle.loads(Path(s["memory_snapshot_path"]).read_bytes())
     assert snapshot["segments"] and snapshot["device_traces"]
+
+
+def test_gpu_busy_merges_overlapping_kernels_within_the_device_step_marks(tmp_path: Path) -> None:
+    """A hand-written Chrome trace: two device-side steps of 10 ms, kernels that overlap
+    (two streams) and one outside the steps; the host-side marks must not count."""
+    import gzip
+
+    from perfrun.telemetry.profiling import gpu_busy
+
+    def x(name: str, cat: str, ts: float, dur: float) -> dict:
+        return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur}
+
+    events = [
+        x("ProfilerStep#1", "user_annotation", 0, 3000), x("ProfilerStep#2", "user_annotation", 3000, 3000),
+        x("ProfilerStep#1", "gpu_user_annotation", 1000, 10000), x("ProfilerStep#2", "gpu_user_annotation", 11000, 10000),
+        x("gemm", "kernel", 1000, 4000), x("gemm2", "kernel", 3000, 4000),  # 1000-7000 covered once: 6 ms
+        x("add", "kernel", 12000, 2000),  # 2 ms
+        x("late", "kernel", 25000, 5000),  # after the steps: not counted
+        x("aten::mm", "cpu_op", 0, 9000),
+    ]
+    trace = tmp_path / "trace.json.gz"
+    with gzip.open(trace, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    b = gpu_busy(trace)
+    assert b == {"steps": 2, "wall_ms_per_step": 10.0, "kernel_ms_per_step": 4.0, "gpu_busy_pct": 40.0,
+                 "kernels_per_step": 1.5}
+    cpu_only = tmp_path / "cpu.json"
+    cpu_only.write_text(json.dumps({"traceEvents": events[:2]}))
+    with pytest.raises(ValueError, match="no step marks on the device timeline"):
+        gpu_busy(cpu_only)

@@ -7,6 +7,8 @@ the loop knows neither by name.
 
 from __future__ import annotations
 
+import gzip
+import json
 import logging
 import shutil
 from contextlib import ExitStack
@@ -21,15 +23,43 @@ from perfrun.config import ConfigError
 log = logging.getLogger("perfrun")
 
 
-def _top_ops(prof: profile, cuda: bool, rows: int = 15) -> str:
-    key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+def _top_ops(prof: profile, key: str, rows: int = 15) -> str:
     return prof.key_averages().table(sort_by=key, row_limit=rows)
+
+
+def gpu_busy(trace: Path) -> dict[str, float]:
+    """How busy the GPU was over the recorded steps of a Chrome trace: the time covered by
+    kernels (overlapping ones merged) over the steps' span on the device timeline.
+
+    Each step is marked twice, on the host (``user_annotation``) and on the device
+    (``gpu_user_annotation``); the device marks bound the kernels. Far below 100 % means
+    the GPU waited for the host (launches, Python, hooks), not for arithmetic.
+    """
+    opener = gzip.open if trace.name.endswith(".gz") else open
+    with opener(trace, "rt") as f:
+        events = json.load(f)["traceEvents"]
+    marks = [e for e in events if e.get("ph") == "X" and str(e.get("name", "")).startswith("ProfilerStep#")]
+    steps = [e for e in marks if e.get("cat") == "gpu_user_annotation"]
+    if not steps:
+        raise ValueError(f"{trace}: no step marks on the device timeline (a CUDA profile=true trace has them)")
+    t0, t1 = min(e["ts"] for e in steps), max(e["ts"] + e["dur"] for e in steps)
+    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
+                   if e.get("ph") == "X" and e.get("cat") == "kernel" and t0 <= e["ts"] < t1)
+    covered, end = 0.0, float("-inf")
+    for a, b in spans:
+        if b > end:
+            covered += min(b, t1) - max(a, end)
+            end = b
+    n = len(steps)
+    return {"steps": n, "wall_ms_per_step": (t1 - t0) / n / 1000, "kernel_ms_per_step": covered / n / 1000,
+            "gpu_busy_pct": 100 * covered / (t1 - t0), "kernels_per_step": len(spans) / n}
 
 
 def attach_profiler(cfg: Any, device: torch.device, plan: Any, stack: ExitStack, run_dir: Path | None) -> None:
     """Record steps ``start_step+warmup+1 ..`` for ``active`` steps; write a Chrome trace
     (open in https://ui.perfetto.dev), a TensorBoard trace and the top operators by self
-    device time (self CPU time on the CPU)."""
+    device time (``top_ops.txt``, CUDA) and by self host time (``top_ops_cpu.txt``). On CUDA
+    the summary gets how busy the GPU was over those steps (:func:`gpu_busy`)."""
     if not cfg.profile:
         return
     p = cfg.profiler
@@ -51,11 +81,20 @@ def attach_profiler(cfg: Any, device: torch.device, plan: Any, stack: ExitStack,
         # JSON), and trace.json is a copy under a name people can find.
         tensorboard(prof)
         written = max((out / "tensorboard").glob("*.pt.trace.json*"), key=lambda q: q.stat().st_mtime)
-        shutil.copyfile(written, out / ("trace.json" + (".gz" if written.name.endswith(".gz") else "")))
-        table = _top_ops(prof, cuda)
+        trace = out / ("trace.json" + (".gz" if written.name.endswith(".gz") else ""))
+        shutil.copyfile(written, trace)
+        table = _top_ops(prof, "self_cuda_time_total" if cuda else "self_cpu_time_total")
         (out / "top_ops.txt").write_text(table)
-        log.info(f"profiler: trace in {out / 'trace.json'} (ui.perfetto.dev), TensorBoard in {out / 'tensorboard'}; "
+        if cuda:
+            (out / "top_ops_cpu.txt").write_text(_top_ops(prof, "self_cpu_time_total"))
+        log.info(f"profiler: trace in {trace} (ui.perfetto.dev), TensorBoard in {out / 'tensorboard'}; "
                  f"top operators by self {'device' if cuda else 'CPU'} time:\n{table}")
+        if cuda:
+            busy = gpu_busy(trace)
+            plan.notes["profile"]["gpu"] = busy
+            log.info(f"profiler: the GPU ran kernels {busy['gpu_busy_pct']:.1f} % of the profiled steps "
+                     f"({busy['kernel_ms_per_step']:.2f} of {busy['wall_ms_per_step']:.2f} ms per step, under the "
+                     f"profiler); well below 100 % means it waited for the host: see {out / 'top_ops_cpu.txt'}")
 
     prof = profile(
         activities=activities,
