@@ -88,7 +88,17 @@ def _prune(folder: Path, keep_last: int) -> None:
             old.unlink(missing_ok=True)
 
 
+def dcp_reason(e: BaseException) -> BaseException:
+    """The first rank's own exception inside DCP's CheckpointException (else ``e``)."""
+    failures = getattr(e, "failures", None)
+    if failures:
+        first = failures[min(failures)]
+        return first[0] if isinstance(first, tuple) else first
+    return e
+
+
 def _write_error(folder: Path, step: int, e: BaseException) -> CheckpointWriteError:
+    e = dcp_reason(e)
     errnos = [e.errno] if isinstance(e, OSError) else []
     why = "the disk is full" if errno.ENOSPC in errnos else (getattr(e, "strerror", None) or str(e).splitlines()[0][:200])
     previous = list_checkpoints(folder)
@@ -106,6 +116,7 @@ def save_sharded(folder: Path, step: int, model: torch.nn.Module, optimizer: tor
     position, config) and renames the folder to ``step_NNNNNNN/``. A collective: all ranks call it.
     """
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     folder = Path(folder)
@@ -115,8 +126,7 @@ def save_sharded(folder: Path, step: int, model: torch.nn.Module, optimizer: tor
     if distributed.rank() == 0:
         try:
             folder.mkdir(parents=True, exist_ok=True)
-            for stale in (p for p in folder.iterdir() if _PARTIAL.match(p.name)):  # a save cut short earlier
-                shutil.rmtree(stale)
+            recover_interrupted_saves(folder)
         except OSError as e:
             problem = str(_write_error(folder, step, e))
     problem = distributed.from_rank0(problem)
@@ -125,7 +135,7 @@ def save_sharded(folder: Path, step: int, model: torch.nn.Module, optimizer: tor
     model_sd, optim_sd = get_state_dict(model, optimizer)
     try:
         dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(partial))
-    except Exception as e:  # noqa: BLE001 - DCP gathers every rank's failure into one exception
+    except (CheckpointException, OSError) as e:  # DCP gathers every rank's failure (a BaseException)
         raise _write_error(folder, step, e) from None
     payload = {"format": FORMAT, "perfrun_version": __version__, "step": step, "sharded": True, **state}
     if distributed.rank() == 0:
@@ -148,6 +158,26 @@ def save_sharded(folder: Path, step: int, model: torch.nn.Module, optimizer: tor
     return final
 
 
+def recover_interrupted_saves(folder: Path) -> None:
+    """Finish or undo what a crash left of a sharded save (rank 0, before it saves or resumes).
+
+    ``.step_N.partial/`` with ``meta.pt`` is a whole checkpoint cut off between writing and
+    renaming: it becomes ``step_N/`` if that is missing. ``.step_N.replaced.partial/`` is the
+    old ``step_N/``, set aside just before the new one took its name: it goes back if the new
+    one never did. Anything else partial is a save cut short, and is removed."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return
+    stale = sorted((p for p in folder.iterdir() if _PARTIAL.match(p.name)), key=lambda p: ".replaced" in p.name)
+    for p in stale:  # the newer (.partial) before the older (.replaced.partial) of a step
+        final = folder / p.name[1:].split(".")[0]
+        if not final.exists() and (p / META).is_file():
+            p.rename(final)
+            fsync_dir(folder)
+        else:
+            shutil.rmtree(p, ignore_errors=True)
+
+
 def load_sharded_into(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
     """Read a sharded checkpoint into ``model`` (and ``optimizer``): FSDP on any number of
     ranks, DDP or one plain process alike (DCP reshards to whatever the model is now)."""
@@ -159,9 +189,17 @@ def load_sharded_into(path: Path, model: torch.nn.Module, optimizer: torch.optim
     else:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optimizer": optim_sd}
+    from torch.distributed.checkpoint.api import CheckpointException
+
     with warnings.catch_warnings():  # DCP's "assuming the intent is to load in a single process"
         warnings.filterwarnings("ignore", message=".*load in a single process.*")
-        dcp.load(state, checkpoint_id=str(path))
+        try:
+            dcp.load(state, checkpoint_id=str(path))
+        except (CheckpointException, OSError, RuntimeError) as e:
+            reason = dcp_reason(e)
+            first = (str(reason).strip().splitlines() or [type(reason).__name__])[0][:160]
+            raise ConfigError(f"resume={path}: its shards cannot be read ({type(reason).__name__}: {first}); every "
+                              "rank must see the whole folder (a shared filesystem); or pick another checkpoint") from None
     if optimizer is None:
         model.load_state_dict(state["model"])
     else:
@@ -189,9 +227,9 @@ def list_checkpoints(folder: Path) -> list[Path]:
     temporary files and folders cut short are ignored."""
     if not Path(folder).is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in Path(folder).iterdir()
+    found = [(int(m.group(1)), p.stat().st_mtime, p) for p in Path(folder).iterdir()
              if (m := _NAME.match(p.name)) and (p.is_file() if m.group(2) else is_sharded(p))]
-    return [p for _, p in sorted(found)]
+    return [p for *_, p in sorted(found)]  # a step in both layouts (a reused run dir): the newer last
 
 
 def load(path: Path) -> dict[str, Any]:
@@ -251,18 +289,33 @@ def _dotted(tree: dict[str, Any], key: str) -> Any:
     return tree if tree != {} else None
 
 
-def _global_batch(config: dict[str, Any], world: int) -> tuple[int, str]:
-    """Sequences per optimizer step over all ranks, and how they are made up."""
+def _global_batch(config: dict[str, Any], world: int) -> tuple[int, int, str]:
+    """Sequences per optimizer step over all ranks, per micro-step over all ranks, and how."""
     b, a = int(_dotted(config, "dataloader.batch_size") or 0), int(_dotted(config, "accumulation.steps") or 1)
-    return b * a * world, f"dataloader.batch_size={b} x accumulation.steps={a} x {world} rank(s)"
+    return b * a * world, b * world, f"dataloader.batch_size={b} x accumulation.steps={a} x {world} rank(s)"
+
+
+def saved_world(ckpt: dict[str, Any]) -> int:
+    """How many ranks wrote the checkpoint. Checkpoints from before perfrun recorded it:
+    within the first epoch the data position says (samples consumed / steps / per-rank
+    batch); after it, the ``nproc`` the run was started with (1 under raw torchrun)."""
+    if ckpt.get("world_size"):
+        return int(ckpt["world_size"])
+    config, data, step = ckpt.get("config", {}), ckpt.get("data", {}), int(ckpt.get("step", 0))
+    per_rank = int(_dotted(config, "dataloader.batch_size") or 0) * int(_dotted(config, "accumulation.steps") or 1)
+    consumed = int(data.get("consumed", 0))
+    if data.get("epoch", 0) == 0 and step > 0 and per_rank > 0 and consumed % (step * per_rank) == 0:
+        return max(1, consumed // (step * per_rank))
+    return int(config.get("nproc") or 1)
 
 
 def check_compatible(ckpt: dict[str, Any], shape: dict[str, int], config: dict[str, Any], path: Path,
-                     world: int = 1) -> None:
+                     world: int = 1) -> list[str]:
     """Refuse a checkpoint of another model shape, of another data order (seed, data), or of
     another global batch: resuming it could not continue the same run. The global batch is
     what must match, not how it is split: 2 ranks x 4 continue as 1 process x 8, since the
-    data order does not depend on the number of ranks (:class:`perfrun.data.ResumableSampler`)."""
+    data order does not depend on the number of ranks (:class:`perfrun.data.ResumableSampler`).
+    Returns the warnings for what is allowed but not exact."""
     check_shape(ckpt, shape, path)
     saved = ckpt.get("config", {})
     diff = [f"{k}={_dotted(saved, k)} vs {_dotted(config, k)}" for k in RESUME_KEYS
@@ -272,7 +325,7 @@ def check_compatible(ckpt: dict[str, Any], shape: dict[str, int], config: dict[s
             f"resume={path} was made with other settings ({', '.join(diff)}: checkpoint vs this run); "
             "resume with the checkpoint's values so that the data order continues exactly"
         )
-    (was, was_how), (now, now_how) = _global_batch(saved, int(ckpt.get("world_size", 1))), _global_batch(config, world)
+    (was, was_micro, was_how), (now, now_micro, now_how) = _global_batch(saved, saved_world(ckpt)), _global_batch(config, world)
     if was != now:
         per = int(_dotted(config, "accumulation.steps") or 1) * world
         fix = (f"set dataloader.batch_size={was // per}" if was % per == 0
@@ -281,6 +334,11 @@ def check_compatible(ckpt: dict[str, Any], shape: dict[str, int], config: dict[s
             f"resume={path} was made with a global batch of {was} sequences per step ({was_how}) and this run "
             f"has {now} ({now_how}); keep the global batch so that the data order continues exactly: {fix}"
         )
+    if was_micro != now_micro:
+        return [f"resume={path}: the same global batch split another way ({was_how} then, {now_how} now): the data "
+                f"order is the same until the end of this epoch, whose last partial batch is cut at a multiple of "
+                f"{now_micro} sequences instead of {was_micro}, so later epochs see their samples shifted"]
+    return []
 
 
 def check_shape(ckpt: dict[str, Any], shape: dict[str, int], path: Path) -> None:

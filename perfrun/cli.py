@@ -205,7 +205,38 @@ def _torchrun_job(cfg: Any, overrides: list[str], run_dir: Path) -> int:
         write_json_atomic(run_dir / "summary.json", {"status": "failed", "reason": str(e), "overrides": overrides,
                                                      "config": OmegaConf.to_container(cfg, resolve=True)})
         raise
-    return _torchrun(int(cfg.nproc), [*overrides, f"hydra.run.dir={_quoted(str(run_dir))}", "hydra.output_subdir=null"])
+    code = _torchrun(int(cfg.nproc), [*_resolved(overrides, cfg), f"hydra.run.dir={_quoted(str(run_dir))}",
+                                      "hydra.output_subdir=null"])
+    if code != 0 and not (run_dir / "summary.json").exists():  # the ranks died before writing one
+        status = "interrupted" if code in (130, 143) else "failed"
+        write_json_atomic(run_dir / "summary.json", {
+            "status": status, "reason": f"its {cfg.nproc} ranks exited with code {code} before writing a summary; "
+                                        f"see {run_dir / 'train.log'} and the console", "overrides": overrides})
+    return code
+
+
+def _resolved(overrides: list[str], cfg: Any) -> list[str]:
+    """The job's overrides for its torchrun, with interpolations replaced by their values in
+    this job: ``nproc=${hydra:launcher.gpus_per_node}`` means this job's launcher, which
+    the ranks (composing with Hydra's basic launcher) do not have."""
+    from omegaconf import OmegaConf
+
+    out = []
+    for override in overrides:
+        key, sep, value = override.partition("=")
+        if not sep or not ("${" in value or "$\\{" in value) or key.startswith(("~", "hydra")):  # as typed, or as Hydra escapes it
+            out.append(override)
+            continue
+        v = OmegaConf.select(cfg, key.lstrip("+"))
+        if isinstance(v, bool) or v is None:
+            out.append(f"{key}={'null' if v is None else str(v).lower()}")
+        elif isinstance(v, int | float):
+            out.append(f"{key}={v}")
+        elif isinstance(v, str):
+            out.append(f"{key}={_quoted(v)}")
+        else:
+            out.append(override)
+    return out
 
 
 def _join_torchrun(args: list[str], composed: Any) -> list[str]:
@@ -305,8 +336,14 @@ def train_main(args: list[str]) -> int:
         _error(problem)
         return 2
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    distributed = composed.distributed if composed is not None else _arg_value(args, "distributed")
-    nproc = composed.nproc if composed is not None else _arg_value(args, "nproc")
+    try:
+        distributed = composed.distributed if composed is not None else _arg_value(args, "distributed")
+        nproc = composed.nproc if composed is not None else _arg_value(args, "nproc")
+    except Exception as e:  # noqa: BLE001 - e.g. nproc=${hydra:launcher.gpus_per_node} outside a sweep job
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        _error(f"distributed or nproc cannot be resolved here ({first}); ${{hydra:launcher...}} is known only in "
+               "the jobs of a sweep (perfrun train -m hydra/launcher=slurm ...): give a number")
+        return 2
     several = world > 1 or (distributed in PARALLEL and str(nproc).isdigit() and int(nproc) > 1)
     if composed is not None:
         try:  # several processes: refuse a bad value once, here, rather than once per rank

@@ -219,6 +219,8 @@ def load_model(spec: Path, device: torch.device | str = "cpu", *, byte_level: bo
     model = GPT(gcfg)
     try:
         checkpoint.load_model_weights(ckpt, model)
+    except ConfigError as e:  # unreadable shards
+        raise ConfigError(str(e).replace(f"resume={path}", f"checkpoint={path}")) from None
     except RuntimeError as e:
         first = str(e).strip().splitlines()[0]
         raise ConfigError(f"checkpoint={path}: its weights do not fit the model it describes ({first[:160]}); "

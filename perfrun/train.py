@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import random
 import signal
 import time
@@ -67,11 +68,12 @@ def resolve_device(spec: str) -> torch.device:
 
 
 def _rank_device(cfg: Any, device: torch.device) -> torch.device:
-    """Under DDP or FSDP each process of a machine owns the GPU of its LOCAL_RANK."""
-    if device.type != "cuda":
+    """Under DDP or FSDP each process of a machine owns the GPU of its LOCAL_RANK; a world
+    of one that torchrun did not start keeps the device it was given (cuda:N)."""
+    if device.type != "cuda" or "LOCAL_RANK" not in os.environ:
         return device
     index = distributed.local_rank()
-    if cfg.device not in ("auto", "cuda") and int(__import__("os").environ.get("WORLD_SIZE", "1")) > 1:
+    if cfg.device not in ("auto", "cuda") and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ConfigError(f"device={cfg.device} with distributed={cfg.distributed}: each rank takes cuda:LOCAL_RANK; "
                           "set device=auto or device=cuda")
     if index >= torch.cuda.device_count():
@@ -328,7 +330,7 @@ def restore(s: Setup, ckpt: dict[str, Any], path: Path, seed: int) -> Start:
     if s.plan.scaler is not None and ckpt.get("scaler"):
         s.plan.scaler.load_state_dict(ckpt["scaler"])
     data = ckpt["data"]
-    rank, world, saved_world = distributed.rank(), distributed.world_size(), int(ckpt.get("world_size", 1))
+    rank, world, saved_world = distributed.rank(), distributed.world_size(), checkpoint.saved_world(ckpt)
     if saved_world == world:
         ranks = ckpt.get("rng_ranks")
         restore_rng(ranks[rank] if ranks else ckpt["rng"])
@@ -348,6 +350,8 @@ def _resolve_resume(spec: str, ckpt_dir: Path | None) -> Path | None:
     found, error = None, None
     if distributed.rank() == 0:
         try:
+            if spec == "auto" and ckpt_dir is not None:
+                checkpoint.recover_interrupted_saves(ckpt_dir)  # a sharded save cut between its renames
             found = checkpoint.resolve(spec, ckpt_dir)
         except ConfigError as e:
             error = str(e)
@@ -630,7 +634,9 @@ def run(cfg: Any, run_dir: Path | None, *, overrides: list[str] | None = None) -
                 else:
                     ckpt = _load_on_every_rank(path)
                     config = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(cfg)
-                    checkpoint.check_compatible(ckpt, model_shape(s), config, path, distributed.world_size())
+                    for warning in checkpoint.check_compatible(ckpt, model_shape(s), config, path,
+                                                               distributed.world_size()):
+                        log.warning(warning)
                     start = restore(s, ckpt, path, cfg.seed)
                     start.checkpoint = str(path)
                     del ckpt
@@ -639,7 +645,7 @@ def run(cfg: Any, run_dir: Path | None, *, overrides: list[str] | None = None) -
                         raise ConfigError(f"resume={path} is at step {start.step}, already at max_steps={cfg.max_steps}; "
                                           f"raise max_steps to train further")
             summary["resumed_from"] = start.checkpoint
-            attach_profiler(cfg, device, s.plan, stack, run_dir if main else None)
+            attach_profiler(cfg, device, s.plan, stack, run_dir, record=main)  # rank 0 records
             summary["setup_s"] = time.perf_counter() - t_start
             if cfg.monitor.every_n_steps > 0:
                 from perfrun.telemetry.monitor import Monitor

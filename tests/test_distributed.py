@@ -91,7 +91,8 @@ def test_every_ranks_telemetry_reaches_rank_0s_log(ddp_run: Path) -> None:
 def test_a_sweep_of_distributed_jobs_starts_torchrun_per_job(tmp_path: Path) -> None:
     """nproc=1,2: each job with nproc > 1 starts its own torchrun into its job folder."""
     p = run_cli("train", "-m", *COMMON, "max_steps=4", "distributed=ddp", "nproc=1,2", "dataloader.batch_size=2",
-                "checkpoint.at_end=false", cwd=tmp_path, timeout=180)
+                "checkpoint.at_end=false", "profile=true", "profiler.start_step=1", "profiler.warmup=0",
+                "profiler.active=1", cwd=tmp_path, timeout=180)
     assert p.returncode == 0, p.stderr
     (sweep,) = tmp_path.glob("outputs/multirun/*/*")
     summaries = [json.loads((sweep / str(n) / "summary.json").read_text()) for n in (0, 1)]
@@ -99,6 +100,7 @@ def test_a_sweep_of_distributed_jobs_starts_torchrun_per_job(tmp_path: Path) -> 
     assert [s["world_size"] for s in summaries] == [1, 2]
     assert [s["tokens_per_step"] for s in summaries] == [2 * 2 * 32, 2 * 2 * 32 * 2]  # batch x accumulation x seq x ranks
     assert len(list(sweep.rglob("metrics.jsonl"))) == 2 and len(list(sweep.rglob("config.yaml"))) == 2  # one writer each
+    assert [len(list((sweep / str(n) / "profile").glob("trace.json"))) for n in (0, 1)] == [1, 1]  # rank 0 profiles
     table = json.loads((sweep / "sweep_summary.json").read_text())
     assert len(table["rows"]) == 2 and {r["status"] for r in table["rows"]} == {"completed"}
 
@@ -128,6 +130,24 @@ def test_a_ddp_checkpoint_resumes_in_one_process_with_the_same_global_batch(ddp_
     a, b = losses(run_dir), losses(tmp_path)
     assert s["start_step"] == 3 and sorted(b) == [4, 5, 6]
     assert all(abs(a[k] - b[k]) <= TOL * abs(a[k]) for k in b), (a, b)
+
+
+def test_a_checkpoint_from_before_ranks_were_recorded_infers_them(ddp_run: Path, tmp_path: Path) -> None:
+    """Written by 2 ranks before perfrun recorded world_size: within the first epoch the
+    data position says how many ranks there were, so the global batch is checked right."""
+    import torch
+
+    from perfrun import checkpoint
+
+    (run_dir,) = [p.parent for p in ddp_run.glob("outputs/*/*/summary.json")]
+    old = checkpoint.load(run_dir / "checkpoints" / "step_0000003.pt")
+    for key in ("world_size", "rng_ranks"):
+        old.pop(key)
+    torch.save(old, tmp_path / "old.pt")
+    assert checkpoint.saved_world(old) == 2
+    s = run(make_cfg(*COMMON, "dataloader.batch_size=4", f"resume={tmp_path / 'old.pt'}", "checkpoint.at_end=false"),
+            tmp_path / "r")
+    assert s["start_step"] == 3 and s["status"] == "completed"
 
 
 @pytest.mark.parametrize("args, says", [

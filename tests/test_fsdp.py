@@ -66,14 +66,17 @@ def test_every_rank_writes_its_shards_into_one_folder(fsdp_dir: Path) -> None:
     assert not list(fsdp_dir.rglob("*.partial"))
 
 
-def test_resume_on_the_same_ranks_is_exact(fsdp_dir: Path, tmp_path: Path) -> None:
-    resumed = tmp_path / "resumed"
-    p = torchrun(tmp_path, *COMMON, "distributed=fsdp", "dataloader.batch_size=2",
-                 f"resume={fsdp_dir / 'checkpoints' / 'step_0000003'}", f"hydra.run.dir={resumed}")
+def test_resume_on_the_same_ranks_is_exact_dropout_included(tmp_path: Path) -> None:
+    """With dropout each rank draws its own masks; resume gives every rank its own RNG back."""
+    args = [*COMMON, "distributed=fsdp", "dataloader.batch_size=2", "model.dropout=0.1"]
+    p = torchrun(tmp_path, *args, "checkpoint.every_n_steps=3", f"hydra.run.dir={tmp_path / 'whole'}")
     assert p.returncode == 0, p.stderr
-    a, b = losses(fsdp_dir), losses(resumed)
+    p = torchrun(tmp_path, *args, f"resume={tmp_path / 'whole' / 'checkpoints' / 'step_0000003'}",
+                 f"hydra.run.dir={tmp_path / 'resumed'}")
+    assert p.returncode == 0, p.stderr
+    a, b = losses(tmp_path / "whole"), losses(tmp_path / "resumed")
     assert sorted(b) == [4, 5, 6]
-    assert [a[k] for k in b] == [b[k] for k in b]  # same ranks, same shards, same order: bit for bit
+    assert [a[k] for k in b] == [b[k] for k in b]  # bit for bit
 
 
 @pytest.mark.parametrize("mode", ["fsdp", "none"])
@@ -88,6 +91,35 @@ def test_resume_on_one_process_continues_with_the_same_global_batch(
     a, b = losses(fsdp_dir), losses(tmp_path)  # weights, Adam moments, schedule and data order carried over
     assert sorted(b) == [4, 5, 6]
     assert all(abs(a[k] - b[k]) <= TOL * abs(a[k]) for k in b), (a, b)
+
+
+def test_the_same_global_batch_split_another_way_warns(
+        fsdp_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """2 ranks x 2 x 2 micro-steps, resumed as 1 x 8 x 1: the same 8 sequences per step."""
+    with caplog.at_level(logging.WARNING, logger="perfrun"):
+        s = run(make_cfg(*COMMON, "dataloader.batch_size=8", "accumulation.steps=1", "checkpoint.at_end=false",
+                         f"resume={fsdp_dir / 'checkpoints' / 'step_0000003'}"), tmp_path)
+    assert s["status"] == "completed" and s["start_step"] == 3
+    assert "the same global batch split another way" in caplog.text and "instead of 4" in caplog.text
+
+
+def test_unreadable_shards_are_one_line(fsdp_dir: Path, tmp_path: Path) -> None:
+    ckpt = tmp_path / "step_0000003"
+    shutil.copytree(fsdp_dir / "checkpoints" / "step_0000003", ckpt)
+    (ckpt / "__1_0.distcp").unlink()  # what a rank sees when the folder is not shared
+    with pytest.raises(ConfigError, match=r"its shards cannot be read \(.*\); every rank must see the whole folder"):
+        run(make_cfg(*COMMON, "distributed=fsdp", "dataloader.batch_size=4", f"resume={ckpt}"), tmp_path / "r")
+
+
+def test_a_failed_sharded_save_is_one_line_and_keeps_nothing_half_done(tmp_path: Path) -> None:
+    from perfrun.model import GPT, GPTConfig
+
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=1, n_embd=8, dropout=0.0, bias=True,
+                          attention="sdpa"))
+    (tmp_path / ".step_0000005.partial").write_text("a file where the save's folder must go")
+    with pytest.raises(checkpoint.CheckpointWriteError, match="could not save the checkpoint for step 5"):
+        checkpoint.save_sharded(tmp_path, 5, model, torch.optim.AdamW(model.parameters()), {}, keep_last=2)
+    assert checkpoint.list_checkpoints(tmp_path) == []
 
 
 def test_a_different_global_batch_is_refused(fsdp_dir: Path, tmp_path: Path) -> None:
@@ -112,10 +144,29 @@ def test_a_save_cut_short_is_ignored_and_cleaned_up(fsdp_dir: Path, tmp_path: Pa
     incomplete = ckpts / "step_0000012"  # a folder of that name without meta.pt is not a checkpoint
     incomplete.mkdir()
     assert checkpoint.resolve("auto", ckpts).name == "step_0000006"
+    whole = ckpts / ".step_0000005.partial"  # complete, cut off before its rename: recovered
+    shutil.copytree(ckpts / "step_0000003", whole)
+    checkpoint.recover_interrupted_saves(ckpts)
+    assert (ckpts / "step_0000005" / "meta.pt").is_file() and not whole.exists() and not partial.exists()
+    shutil.copytree(ckpts / "step_0000005", partial)  # and a cut-short one again for the run below
+    (partial / "meta.pt").unlink()
     s = run(make_cfg(*COMMON, "distributed=fsdp", "dataloader.batch_size=4", "max_steps=7", "resume=auto",
                      f"checkpoint.dir={ckpts}"), tmp_path / "r")
     assert s["status"] == "completed" and s["start_step"] == 6
     assert not partial.exists() and (ckpts / "step_0000007" / "meta.pt").is_file()
+
+
+def test_a_step_in_both_layouts_resolves_to_the_newer(tmp_path: Path) -> None:
+    import os as _os
+
+    (tmp_path / "step_0000003").mkdir()
+    (tmp_path / "step_0000003" / "meta.pt").write_bytes(b"x")
+    (tmp_path / "step_0000003.pt").write_bytes(b"x")
+    _os.utime(tmp_path / "step_0000003.pt", (1, 1))  # the single file is older
+    assert checkpoint.list_checkpoints(tmp_path)[-1].name == "step_0000003"
+    _os.utime(tmp_path / "step_0000003" / "meta.pt", (0, 0))
+    _os.utime(tmp_path / "step_0000003", (0, 0))
+    assert checkpoint.list_checkpoints(tmp_path)[-1].name == "step_0000003.pt"
 
 
 def test_generate_and_export_read_a_sharded_checkpoint(fsdp_dir: Path, tmp_path: Path) -> None:

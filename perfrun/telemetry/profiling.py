@@ -55,21 +55,28 @@ def gpu_busy(trace: Path) -> dict[str, float]:
             "gpu_busy_pct": 100 * covered / (t1 - t0), "kernels_per_step": len(spans) / n}
 
 
-def attach_profiler(cfg: Any, device: torch.device, plan: Any, stack: ExitStack, run_dir: Path | None) -> None:
+def attach_profiler(cfg: Any, device: torch.device, plan: Any, stack: ExitStack, run_dir: Path | None,
+                    record: bool = True) -> None:
     """Record steps ``start_step+warmup+1 ..`` for ``active`` steps; write a Chrome trace
     (open in https://ui.perfetto.dev), a TensorBoard trace and the top operators by self
     device time (``top_ops.txt``, CUDA) and by self host time (``top_ops_cpu.txt``). On CUDA
-    the summary gets how busy the GPU was over those steps (:func:`gpu_busy`)."""
+    the summary gets how busy the GPU was over those steps (:func:`gpu_busy`).
+
+    Under several ranks every rank checks the settings (so all refuse alike) and rank 0
+    alone records (``record``): the ranks run the same program, and one trace is read.
+    """
     if not cfg.profile:
         return
     p = cfg.profiler
-    if run_dir is None:
-        raise ConfigError("profile=true needs a run dir to write its traces into; run through perfrun train")
     if p.start_step + p.warmup + p.active > cfg.max_steps:
         raise ConfigError(
             f"profile=true records steps {p.start_step + p.warmup + 1}-{p.start_step + p.warmup + p.active} "
             f"but max_steps={cfg.max_steps}; raise max_steps or lower profiler.start_step/warmup/active"
         )
+    if not record:
+        return
+    if run_dir is None:
+        raise ConfigError("profile=true needs a run dir to write its traces into; run through perfrun train")
     out = run_dir / "profile"
     out.mkdir(parents=True, exist_ok=True)
     cuda = device.type == "cuda"
@@ -90,7 +97,11 @@ def attach_profiler(cfg: Any, device: torch.device, plan: Any, stack: ExitStack,
         log.info(f"profiler: trace in {trace} (ui.perfetto.dev), TensorBoard in {out / 'tensorboard'}; "
                  f"top operators by self {'device' if cuda else 'CPU'} time:\n{table}")
         if cuda:
-            busy = gpu_busy(trace)
+            try:
+                busy = gpu_busy(trace)
+            except (ValueError, KeyError, OSError) as e:  # a trace without device marks: no figure, no failure
+                log.warning(f"profiler: no GPU-busy figure ({e})")
+                return
             plan.notes["profile"]["gpu"] = busy
             log.info(f"profiler: the GPU ran kernels {busy['gpu_busy_pct']:.1f} % of the profiled steps "
                      f"({busy['kernel_ms_per_step']:.2f} of {busy['wall_ms_per_step']:.2f} ms per step, under the "
