@@ -134,7 +134,9 @@ def save_sharded(folder: Path, step: int, model: torch.nn.Module, optimizer: tor
         raise CheckpointWriteError(problem)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     try:
-        dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(partial))
+        with warnings.catch_warnings():  # DCP's "assuming the intent is to save in a single process"
+            warnings.filterwarnings("ignore", message=".*in a single process.*")
+            dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(partial))
     except (CheckpointException, OSError) as e:  # DCP gathers every rank's failure (a BaseException)
         raise _write_error(folder, step, e) from None
     payload = {"format": FORMAT, "perfrun_version": __version__, "step": step, "sharded": True, **state}
