@@ -28,7 +28,7 @@ import torch
 
 from perfrun import __version__, distributed
 from perfrun.atomic import atomic_write, fsync_dir
-from perfrun.config import ConfigError
+from perfrun.config import ConfigError, first_line
 
 FORMAT = 1
 _NAME = re.compile(r"^step_(\d+)(\.pt)?$")
@@ -100,7 +100,7 @@ def dcp_reason(e: BaseException) -> BaseException:
 def _write_error(folder: Path, step: int, e: BaseException) -> CheckpointWriteError:
     e = dcp_reason(e)
     errnos = [e.errno] if isinstance(e, OSError) else []
-    why = "the disk is full" if errno.ENOSPC in errnos else (getattr(e, "strerror", None) or str(e).splitlines()[0][:200])
+    why = "the disk is full" if errno.ENOSPC in errnos else (getattr(e, "strerror", None) or first_line(e, 200))
     previous = list_checkpoints(folder)
     kept = f"the previous checkpoint {previous[-1].name} is intact" if previous else "no earlier checkpoint exists"
     return CheckpointWriteError(
@@ -184,6 +184,7 @@ def load_sharded_into(path: Path, model: torch.nn.Module, optimizer: torch.optim
     """Read a sharded checkpoint into ``model`` (and ``optimizer``): FSDP on any number of
     ranks, DDP or one plain process alike (DCP reshards to whatever the model is now)."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     if optimizer is None:
@@ -191,16 +192,13 @@ def load_sharded_into(path: Path, model: torch.nn.Module, optimizer: torch.optim
     else:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optimizer": optim_sd}
-    from torch.distributed.checkpoint.api import CheckpointException
-
     with warnings.catch_warnings():  # DCP's "assuming the intent is to load in a single process"
         warnings.filterwarnings("ignore", message=".*load in a single process.*")
         try:
             dcp.load(state, checkpoint_id=str(path))
         except (CheckpointException, OSError, RuntimeError) as e:
             reason = dcp_reason(e)
-            first = (str(reason).strip().splitlines() or [type(reason).__name__])[0][:160]
-            raise ConfigError(f"resume={path}: its shards cannot be read ({type(reason).__name__}: {first}); every "
+            raise ConfigError(f"resume={path}: its shards cannot be read ({type(reason).__name__}: {first_line(reason)}); every "
                               "rank must see the whole folder (a shared filesystem); or pick another checkpoint") from None
     if optimizer is None:
         model.load_state_dict(state["model"])
@@ -243,10 +241,9 @@ def load(path: Path) -> dict[str, Any]:
     try:
         ckpt = torch.load(path / META if sharded else path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any unreadable file is the same user-facing problem
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(
             f"resume={path} is not a readable perfrun checkpoint (truncated, corrupt or another kind of file: "
-            f"{first[:120]}); pick another step_*.pt from that folder"
+            f"{first_line(e, 120)}); pick another step_*.pt from that folder"
         ) from None
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT or ("model" not in ckpt and not sharded):
         raise ConfigError(f"resume={path} is not a perfrun checkpoint (format {FORMAT}); pick a step_*.pt that perfrun wrote")

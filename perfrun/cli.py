@@ -191,27 +191,23 @@ def _torchrun_job(cfg: Any, overrides: list[str], run_dir: Path) -> int:
     """A sweep job with ``nproc`` > 1: this job starts its own torchrun, whose ranks write
     into the job's folder (rank 0 its summary.json, which the sweep summary reads). So a
     sweep can vary nproc and distributed, and each job can go to a cluster node whole."""
-    from omegaconf import OmegaConf
-
-    from perfrun.config import ConfigError, check_distributed, validate
+    from perfrun.config import ConfigError
     from perfrun.telemetry.sinks import write_json_atomic
 
+    def no_summary(status: str, reason: str) -> None:  # the job's row in the sweep summary
+        write_json_atomic(run_dir / "summary.json", {"status": status, "reason": reason, "overrides": overrides})
+
     try:
-        check_distributed(cfg, world=int(cfg.nproc))
-        job = OmegaConf.masked_copy(cfg, list(cfg.keys()))
-        job.nproc = 1
-        validate(job)
+        validate_job(cfg, launching=int(cfg.nproc))
     except ConfigError as e:
-        write_json_atomic(run_dir / "summary.json", {"status": "failed", "reason": str(e), "overrides": overrides,
-                                                     "config": OmegaConf.to_container(cfg, resolve=True)})
+        no_summary("failed", str(e))
         raise
     code = _torchrun(int(cfg.nproc), [*_resolved(overrides, cfg), f"hydra.run.dir={_quoted(str(run_dir))}",
                                       "hydra.output_subdir=null"])
     if code != 0 and not (run_dir / "summary.json").exists():  # the ranks died before writing one
-        status = "interrupted" if code in (130, 143) else "failed"
-        write_json_atomic(run_dir / "summary.json", {
-            "status": status, "reason": f"its {cfg.nproc} ranks exited with code {code} before writing a summary; "
-                                        f"see {run_dir / 'train.log'} and the console", "overrides": overrides})
+        no_summary("interrupted" if code in (130, 143) else "failed",
+                   f"its {cfg.nproc} ranks exited with code {code} before writing a summary; "
+                   f"see {run_dir / 'train.log'} and the console")
     return code
 
 
@@ -340,8 +336,9 @@ def train_main(args: list[str]) -> int:
         distributed = composed.distributed if composed is not None else _arg_value(args, "distributed")
         nproc = composed.nproc if composed is not None else _arg_value(args, "nproc")
     except Exception as e:  # noqa: BLE001 - e.g. nproc=${hydra:launcher.gpus_per_node} outside a sweep job
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        _error(f"distributed or nproc cannot be resolved here ({first}); ${{hydra:launcher...}} is known only in "
+        from perfrun.config import first_line
+
+        _error(f"distributed or nproc cannot be resolved here ({first_line(e, 10**6)}); ${{hydra:launcher...}} is known only in "
                "the jobs of a sweep (perfrun train -m hydra/launcher=slurm ...): give a number")
         return 2
     several = world > 1 or (distributed in PARALLEL and str(nproc).isdigit() and int(nproc) > 1)

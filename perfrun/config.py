@@ -18,6 +18,13 @@ class ConfigError(ValueError):
     """A user's configuration mistake: reported as one line, never as a traceback."""
 
 
+def first_line(exc: BaseException, limit: int = 160) -> str:
+    """The first line of an exception's message (its type's name when it has none), cut to
+    ``limit`` characters: what fits inside a one-line error."""
+    lines = str(exc).strip().splitlines()
+    return (lines[0] if lines else type(exc).__name__)[:limit]
+
+
 @dataclass
 class PrecisionConfig:
     """Autocast dtype. ``none`` trains in fp32; ``tf32`` lets fp32 matmuls use TF32 on CUDA."""

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from perfrun import checkpoint
-from perfrun.config import ConfigError
+from perfrun.config import ConfigError, first_line
 from perfrun.data import BYTE_VOCAB
 from perfrun.model import GPT, GPTConfig, KVCache, padded_vocab
 
@@ -222,8 +222,7 @@ def load_model(spec: Path, device: torch.device | str = "cpu", *, byte_level: bo
     except ConfigError as e:  # unreadable shards
         raise ConfigError(str(e).replace(f"resume={path}", f"checkpoint={path}")) from None
     except RuntimeError as e:
-        first = str(e).strip().splitlines()[0]
-        raise ConfigError(f"checkpoint={path}: its weights do not fit the model it describes ({first[:160]}); "
+        raise ConfigError(f"checkpoint={path}: its weights do not fit the model it describes ({first_line(e)}); "
                           "the file is damaged or hand-edited, pick another checkpoint") from None
     model.eval().to(device)
     return Loaded(model, path, int(ckpt.get("step", 0)), vocab, config)

@@ -724,11 +724,13 @@ def _every_rank(stats: dict[str, Any]) -> list[dict[str, Any]] | None:
 
 def _job_energy(ranks: list[dict[str, Any]], tokens: int) -> dict[str, Any]:
     """The whole job's energy: every rank's GPU, over every rank's tokens."""
-    energies = [r.get("energy_j") for r in ranks]
-    total = sum(energies) if energies and all(e is not None for e in energies) else None
-    return {"energy_j": total, "joules_per_token": total / tokens if total is not None and tokens > 0 else None,
-            "power_w_mean_sum": sum(r["power_w_mean"] for r in ranks) if all(r.get("power_w_mean") is not None for r in ranks) else None,
-            "ranks": len(ranks)}
+    def total(key: str) -> float | None:  # None unless every rank measured it
+        values = [r.get(key) for r in ranks]
+        return None if any(v is None for v in values) else sum(values)
+
+    energy = total("energy_j")
+    return {"energy_j": energy, "joules_per_token": energy / tokens if energy is not None and tokens > 0 else None,
+            "power_w_mean_sum": total("power_w_mean"), "ranks": len(ranks)}
 
 
 def _release(device: torch.device | None) -> None:

@@ -419,7 +419,7 @@ def main(argv: list[str], trial: Callable[[Candidate], TrialResult] | None = Non
 
 def _preflight(trial: TrainTrial, space: Space) -> None:
     """Compose and check the first candidate, so a bad override is one line before any trial."""
-    from perfrun.config import ConfigError, validate
+    from perfrun.config import ConfigError, first_line, validate
     from perfrun.train import resolve_device
 
     first = Candidate(space.batch_sizes[0] if space.batch_sizes else space.start, space.checkpointing[0],
@@ -436,5 +436,5 @@ def _preflight(trial: TrainTrial, space: Space) -> None:
 
             message = _one_line(e)
         except ImportError:
-            message = str(e).strip().splitlines()[0]
+            message = first_line(e, 10**6)
         raise TuneError(message) from None

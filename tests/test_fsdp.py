@@ -157,15 +157,13 @@ def test_a_save_cut_short_is_ignored_and_cleaned_up(fsdp_dir: Path, tmp_path: Pa
 
 
 def test_a_step_in_both_layouts_resolves_to_the_newer(tmp_path: Path) -> None:
-    import os as _os
-
     (tmp_path / "step_0000003").mkdir()
     (tmp_path / "step_0000003" / "meta.pt").write_bytes(b"x")
     (tmp_path / "step_0000003.pt").write_bytes(b"x")
-    _os.utime(tmp_path / "step_0000003.pt", (1, 1))  # the single file is older
+    os.utime(tmp_path / "step_0000003.pt", (1, 1))  # the single file is older
     assert checkpoint.list_checkpoints(tmp_path)[-1].name == "step_0000003"
-    _os.utime(tmp_path / "step_0000003" / "meta.pt", (0, 0))
-    _os.utime(tmp_path / "step_0000003", (0, 0))
+    os.utime(tmp_path / "step_0000003" / "meta.pt", (0, 0))
+    os.utime(tmp_path / "step_0000003", (0, 0))
     assert checkpoint.list_checkpoints(tmp_path)[-1].name == "step_0000003.pt"
 
 
