@@ -4,11 +4,13 @@ where a good one was. The folder is fsynced too, so the rename survives a power 
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 
 def fsync_dir(folder: Path) -> None:
@@ -39,3 +41,19 @@ def atomic_write(path: Path, data: bytes | memoryview | str | Callable[[IO[bytes
         raise
     fsync_dir(path.parent)
     return path
+
+
+def json_safe(obj: Any) -> Any:
+    """JSON has no NaN or infinity: they become null (strict parsers reject them)."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
+def write_json(path: Path, obj: Any) -> Path:
+    """summary.json and friends: indented, NaN-free, all or nothing."""
+    return atomic_write(path, json.dumps(json_safe(obj), indent=2, default=str) + "\n")

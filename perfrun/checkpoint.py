@@ -28,7 +28,8 @@ import torch
 
 from perfrun import __version__, distributed
 from perfrun.atomic import atomic_write, fsync_dir
-from perfrun.config import ConfigError, first_line
+from perfrun.config import ConfigError
+from perfrun.console import first_line
 
 FORMAT = 1
 _NAME = re.compile(r"^step_(\d+)(\.pt)?$")

@@ -14,6 +14,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from perfrun.config import config_dir
+from perfrun.console import composition_error, error, first_line
+
 COMMANDS = {
     "train": "train a GPT with the knobs you choose (a Hydra app: perfrun train --help)",
     "gpu-check": "diagnose this machine and measure what it can do",
@@ -27,17 +30,6 @@ _MODULES = {"gpu-check": "perfrun.gpucheck", "report": "perfrun.report", "tune":
             "generate": "perfrun.generate", "export": "perfrun.export"}
 _FAILED_JOBS: list[str] = []
 PARALLEL = ("ddp", "fsdp")  # the distributed= values that run one process per GPU
-
-
-def config_dir() -> str:
-    """Where the YAML lives: inside the installed package, or conf/ of a source checkout."""
-    spec = importlib.util.find_spec("perfrun.conf")
-    if spec is not None and spec.submodule_search_locations:
-        return str(Path(next(iter(spec.submodule_search_locations))).resolve())
-    checkout = Path(__file__).resolve().parent.parent / "conf"
-    if (checkout / "train.yaml").is_file():
-        return str(checkout)
-    raise SystemExit("perfrun: error: the configuration (conf/train.yaml) is missing from this install; reinstall perfrun")
 
 
 def _usage() -> str:
@@ -57,35 +49,6 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
-def _error(message: str) -> None:
-    from rich.console import Console
-    from rich.markup import escape
-
-    Console(stderr=True, highlight=False, soft_wrap=True).print(f"[bold red]perfrun: error:[/] {escape(message)}", markup=True)
-
-
-def _one_line(exc: BaseException) -> str:
-    """Hydra's composition errors, as one line: what was wrong and how to fix it."""
-    from hydra.errors import MissingConfigException
-
-    if isinstance(exc, MissingConfigException) and exc.options is not None:
-        group = exc.missing_cfg_file.rsplit("/", 1)[0] if exc.missing_cfg_file else "the group"
-        wrong = exc.missing_cfg_file.rsplit("/", 1)[-1] if exc.missing_cfg_file else "?"
-        return f"{group}={wrong} is not an option of {group}; choose one of {', '.join(exc.options)}"
-    text = str(exc).strip()
-    cause = exc.__cause__
-    if text.startswith("Could not override"):
-        key = text.split("'")[1] if "'" in text else text
-        return (f"{key} is not a key of the configuration; list the keys with perfrun train --cfg job "
-                "(a misspelt group or key is the usual cause)")
-    if text.startswith("Error merging override") and cause is not None:
-        override = text.removeprefix("Error merging override").strip()
-        reason = str(cause).strip().splitlines()[0]
-        return f"{override}: {reason}; give a value of the type the key takes (perfrun train --cfg job shows them)"
-    first = text.splitlines()[0] if text else type(exc).__name__
-    return f"{first} (perfrun train --help lists the groups and options)"
-
-
 def _preflight(args: list[str]) -> tuple[str | None, Any]:
     """Compose a single run's configuration before Hydra does, so that a wrong option,
     key or type gets one line instead of Hydra's page. Flags (``-m``, ``--cfg``...) and
@@ -101,7 +64,7 @@ def _preflight(args: list[str]) -> tuple[str | None, Any]:
             cfg = compose("train", overrides=args, return_hydra_config=True)
             run_dir = str(cfg.hydra.run.dir)
     except Exception as e:  # noqa: BLE001 - every composition error is the user's input
-        return _one_line(e), None
+        return composition_error(e), None
     return _unwritable(Path(run_dir)), cfg
 
 
@@ -191,11 +154,11 @@ def _torchrun_job(cfg: Any, overrides: list[str], run_dir: Path) -> int:
     """A sweep job with ``nproc`` > 1: this job starts its own torchrun, whose ranks write
     into the job's folder (rank 0 its summary.json, which the sweep summary reads). So a
     sweep can vary nproc and distributed, and each job can go to a cluster node whole."""
+    from perfrun.atomic import write_json
     from perfrun.config import ConfigError
-    from perfrun.telemetry.sinks import write_json_atomic
 
     def no_summary(status: str, reason: str) -> None:  # the job's row in the sweep summary
-        write_json_atomic(run_dir / "summary.json", {"status": status, "reason": reason, "overrides": overrides})
+        write_json(run_dir / "summary.json", {"status": status, "reason": reason, "overrides": overrides})
 
     try:
         validate_job(cfg, launching=int(cfg.nproc))
@@ -325,20 +288,18 @@ def train_main(args: list[str]) -> int:
     register_configs()
     launcher = _launcher_problem(args)
     if launcher is not None:
-        _error(launcher)
+        error(launcher)
         return 2
     problem, composed = _preflight(args)
     if problem is not None:
-        _error(problem)
+        error(problem)
         return 2
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         distributed = composed.distributed if composed is not None else _arg_value(args, "distributed")
         nproc = composed.nproc if composed is not None else _arg_value(args, "nproc")
     except Exception as e:  # noqa: BLE001 - e.g. nproc=${hydra:launcher.gpus_per_node} outside a sweep job
-        from perfrun.config import first_line
-
-        _error(f"distributed or nproc cannot be resolved here ({first_line(e, 10**6)}); ${{hydra:launcher...}} is known only in "
+        error(f"distributed or nproc cannot be resolved here ({first_line(e, 10**6)}); ${{hydra:launcher...}} is known only in "
                "the jobs of a sweep (perfrun train -m hydra/launcher=slurm ...): give a number")
         return 2
     several = world > 1 or (distributed in PARALLEL and str(nproc).isdigit() and int(nproc) > 1)
@@ -350,13 +311,13 @@ def train_main(args: list[str]) -> int:
                 check_distributed(composed)
         except ConfigError as e:
             if os.environ.get("RANK", "0") == "0":
-                _error(str(e))
+                error(str(e))
             return 2
     if world == 1 and several and not _multirun(args):  # a sweep's jobs start their own torchrun
         return _launch_torchrun(args, int(nproc))
     if world > 1:
         if distributed not in PARALLEL:
-            _error(f"torchrun started {world} processes but distributed={distributed}; add distributed=ddp")
+            error(f"torchrun started {world} processes but distributed={distributed}; add distributed=ddp")
             return 2
         from perfrun import distributed as dist
 
@@ -393,13 +354,13 @@ def _run_app(args: list[str]) -> int:
             else:
                 run(cfg, run_dir, overrides=overrides)
         except (ConfigError, RunFailed) as e:
-            _error(str(e))
+            error(str(e))
             if hc.mode == RunMode.MULTIRUN:
                 _FAILED_JOBS.append(f"job {hc.job.num} ({' '.join(overrides)}): {e}")
                 return
             raise SystemExit(2 if isinstance(e, ConfigError) else 1) from None
         except Interrupted as e:
-            _error(str(e))
+            error(str(e))
             raise SystemExit(e.exit_code) from None  # a stop request ends the sweep too
 
     saved = sys.argv
@@ -411,7 +372,7 @@ def _run_app(args: list[str]) -> int:
         sys.argv = saved
     _FAILED_JOBS[:] = _failed_jobs(list(_FAILED_JOBS))
     if _FAILED_JOBS:
-        _error(f"{len(_FAILED_JOBS)} job(s) of the sweep failed: " + "; ".join(_FAILED_JOBS))
+        error(f"{len(_FAILED_JOBS)} job(s) of the sweep failed: " + "; ".join(_FAILED_JOBS))
         return 1
     return 0
 
@@ -451,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
         import importlib
 
         return importlib.import_module(_MODULES[command]).main(rest)
-    _error(f"unknown command {command!r}; the commands are {', '.join(COMMANDS)} (perfrun --help)")
+    error(f"unknown command {command!r}; the commands are {', '.join(COMMANDS)} (perfrun --help)")
     return 2
 
 

@@ -7,8 +7,10 @@ size below one, a sequence longer than the model) is checked by :func:`validate`
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -16,13 +18,6 @@ from hydra.core.config_store import ConfigStore
 
 class ConfigError(ValueError):
     """A user's configuration mistake: reported as one line, never as a traceback."""
-
-
-def first_line(exc: BaseException, limit: int = 160) -> str:
-    """The first line of an exception's message (its type's name when it has none), cut to
-    ``limit`` characters: what fits inside a one-line error."""
-    lines = str(exc).strip().splitlines()
-    return (lines[0] if lines else type(exc).__name__)[:limit]
 
 
 @dataclass
@@ -186,13 +181,25 @@ class TrainConfig:
     nproc: int = 1  # ddp, fsdp: processes on this machine; perfrun train starts torchrun for nproc > 1
 
 
+def config_dir() -> str:
+    """Where the YAML lives: conf/ beside the package in a source checkout (so a checkout
+    always runs its own YAML), else the copy installed inside the package."""
+    checkout = Path(__file__).resolve().parent.parent / "conf"
+    if (checkout / "train.yaml").is_file():
+        return str(checkout)
+    spec = importlib.util.find_spec("perfrun.conf")
+    if spec is not None and spec.submodule_search_locations:
+        return str(Path(next(iter(spec.submodule_search_locations))).resolve())
+    raise SystemExit("perfrun: error: the configuration (conf/train.yaml) is missing from this install; reinstall perfrun")
+
+
 def register_configs() -> None:
     """Register the schema; train.yaml lists it first in its defaults, so every group's
     YAML is merged onto (and checked against) its typed field of TrainConfig."""
     ConfigStore.instance().store(name="train_schema", node=TrainConfig)
 
 
-_CHOICES = {
+CHOICES = {
     "precision.dtype": ("float32", "bfloat16", "float16"),
     "checkpointing.name": ("none", "full", "selective"),
     "data.name": ("pysource", "text", "memmap", "synthetic"),
@@ -262,7 +269,7 @@ def validate(cfg: Any) -> None:
                 f"{', '.join(unknown)}: not a key perfrun knows; remove it "
                 "(perfrun train --cfg job lists the keys)"
             )
-    for key, allowed in _CHOICES.items():
+    for key, allowed in CHOICES.items():
         value = _get(cfg, key)
         if str(value) not in allowed:
             raise ConfigError(
@@ -383,9 +390,9 @@ def check_distributed(cfg: Any, world: int | None = None) -> None:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
     else:
         local = world
-    if cfg.distributed not in _CHOICES["distributed"]:
+    if cfg.distributed not in CHOICES["distributed"]:
         raise ConfigError(f"distributed={cfg.distributed} is not an option; choose one of "
-                          f"{', '.join(_CHOICES['distributed'])}")
+                          f"{', '.join(CHOICES['distributed'])}")
     if cfg.nproc < 1:
         raise ConfigError(f"nproc={cfg.nproc} must be >= 1; set nproc=1 or the number of processes to start")
     if cfg.distributed == "none":

@@ -518,10 +518,6 @@ def _is_val(rel: str, val_fraction: float) -> bool:
     return h / 2.0**64 < val_fraction
 
 
-def _atomic_write(path: Path, data: bytes | memoryview) -> None:
-    atomic_write(path, data)
-
-
 def _read_meta(folder: Path) -> dict[str, Any] | None:
     """The cache's meta.json if the cache is complete and its files have the recorded sizes."""
     try:
@@ -558,12 +554,12 @@ def _build_pysource_cache(folder: Path, stdlib: Path, files: list[tuple[str, int
     train = _tokenise(stdlib, train_rels)
     val = _tokenise(stdlib, val_rels)
     # meta.json goes last: its presence (with matching sizes) is what marks a complete cache
-    _atomic_write(folder / "train.bin", memoryview(train))
-    _atomic_write(folder / "val.bin", memoryview(val))
+    atomic_write(folder / "train.bin", memoryview(train))
+    atomic_write(folder / "val.bin", memoryview(val))
     meta = dict(key_info, format=PYSOURCE_FORMAT, train_files=len(train_rels),
                 val_files=len(val_rels), train_tokens=int(train.size), val_tokens=int(val.size))
     meta["build_s"] = round(time.perf_counter() - t0, 3)
-    _atomic_write(folder / "meta.json", json.dumps(meta, indent=1).encode())
+    atomic_write(folder / "meta.json", json.dumps(meta, indent=1).encode())
     return meta
 
 

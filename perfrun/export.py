@@ -274,7 +274,7 @@ def main(argv: list[str]) -> int:
     """0 written (and verified), 1 verification failed (nothing written), 2 a user's mistake."""
     from rich.console import Console
 
-    from perfrun.cli import _error
+    from perfrun.console import error as _error
     from perfrun.generate import _float, _int, load_model, parse_kv
 
     if argv and argv[0] in ("-h", "--help"):

@@ -33,7 +33,8 @@ from typing import Any
 import torch
 
 from perfrun import checkpoint
-from perfrun.config import ConfigError, first_line
+from perfrun.config import ConfigError
+from perfrun.console import first_line
 from perfrun.data import BYTE_VOCAB
 from perfrun.model import GPT, GPTConfig, KVCache, padded_vocab
 
@@ -383,7 +384,7 @@ def _console() -> Any:
 
 def main(argv: list[str]) -> int:
     """``perfrun generate KEY=VALUE...``: 0 on success, 2 for a user's mistake."""
-    from perfrun.cli import _error
+    from perfrun.console import error as _error
 
     if argv and argv[0] in ("-h", "--help"):
         print(f"usage: {USAGE}")

@@ -32,6 +32,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from perfrun.console import first_line
+
 OK, WARN, FAIL, SKIP = "ok", "warn", "fail", "skip"
 _STATUSES = (OK, WARN, FAIL, SKIP)
 
@@ -595,16 +597,16 @@ def software_facts(nvml: Any) -> dict[str, Any]:
 
 def nvml_gpu_facts(nvml: Any, dev: Any) -> dict[str, Any]:
     """Driver-level facts for one NVML device; read before this process creates a CUDA context."""
-    from perfrun.telemetry.nvml import _plain, decode_reasons
+    from perfrun.telemetry.nvml import ctypes_value, decode_reasons
 
     m, h = nvml.module, dev.handle
 
     def get(fn: str, *args: Any) -> Any:
         v = nvml.call(fn, fn, h, *args, warn=False)
-        return _plain(v) if v is not None else None
+        return ctypes_value(v) if v is not None else None
 
     def first(v: Any) -> Any:
-        return _plain(v[0]) if isinstance(v, list | tuple) and v else v
+        return ctypes_value(v[0]) if isinstance(v, list | tuple) and v else v
 
     mem = get("nvmlDeviceGetMemoryInfo")
     util = get("nvmlDeviceGetUtilizationRates")
@@ -661,7 +663,7 @@ def nvml_gpu_facts(nvml: Any, dev: Any) -> dict[str, Any]:
         "pcie_width_max": get("nvmlDeviceGetMaxPcieLinkWidth"),
         "pcie_under_load": False,
         "mig_mode": None if mig is None else bool(first(mig)),
-        "throttle_reasons": decode_reasons(None if mask is None else int(_plain(mask)), m),
+        "throttle_reasons": decode_reasons(None if mask is None else int(ctypes_value(mask)), m),
         "other_processes": others,
     }
 
@@ -678,11 +680,6 @@ def torch_gpu_facts(index: int) -> dict[str, Any]:
         "memory_total_mib": p.total_memory / 2**20,
         "multiprocessors": p.multi_processor_count,
     }
-
-
-def _first_line(exc: BaseException | str) -> str:
-    text = str(exc).strip().splitlines()
-    return (text[0] if text else type(exc).__name__)[:300]
 
 
 def sdpa_backends(device: Any) -> dict[str, dict[str, Any]]:
@@ -709,8 +706,8 @@ def sdpa_backends(device: Any) -> dict[str, dict[str, Any]]:
                 ok = bool(torch.isfinite(y).all())
                 out[name] = {"ok": ok} if ok else {"ok": False, "error": "non-finite output"}
             except Exception as exc:  # noqa: BLE001 - "No available kernel" is the answer
-                why = next((str(w.message) for w in caught), None) or _first_line(exc)
-                out[name] = {"ok": False, "error": _first_line(why)}
+                why = next((str(w.message) for w in caught), None) or first_line(exc, 300)
+                out[name] = {"ok": False, "error": first_line(why, 300)}
     return out
 
 
@@ -732,7 +729,7 @@ def compile_smoke(device: Any) -> dict[str, Any]:
             res["error"] = "compiled output differs from eager"
         return res
     except Exception as exc:  # noqa: BLE001
-        return {"ok": False, "error": _first_line(exc), "seconds": time.perf_counter() - t0}
+        return {"ok": False, "error": first_line(exc, 300), "seconds": time.perf_counter() - t0}
     finally:
         with contextlib.suppress(Exception):
             torch._dynamo.reset()
@@ -802,7 +799,7 @@ def measurement_facts(
             if key and (device.type != "cuda" or not quick):
                 _safe(lambda dt=dt, r=r: peaks.store_measured(key, dt, r, by="perfrun gpu-check"))
         except Exception as exc:  # noqa: BLE001
-            meas["matmul"][dt] = {"error": _first_line(exc)}
+            meas["matmul"][dt] = {"error": first_line(exc, 300)}
     if key:
         meas["peaks_cache"] = str(peaks.cache_path())
     if device.type != "cuda":
@@ -816,7 +813,7 @@ def measurement_facts(
         meas["d2d_copy"] = _bandwidth(lambda: dst.copy_(src), device, nbytes, 2.0, repeats=reps,
                                       what="device-to-device copy, read + write bytes counted")
     except Exception as exc:  # noqa: BLE001
-        meas["d2d_copy"] = {"error": _first_line(exc)}
+        meas["d2d_copy"] = {"error": first_line(exc, 300)}
         dst = None
     for key2, pinned in (("h2d_pinned", True), ("h2d_pageable", False)):
         try:
@@ -838,7 +835,7 @@ def measurement_facts(
             if pinned and gen in PCIE_GBPS_PER_LANE and width:
                 meas[key2]["link_gb_s"] = PCIE_GBPS_PER_LANE[gen] * width
         except Exception as exc:  # noqa: BLE001
-            meas[key2] = {"error": _first_line(exc)}
+            meas[key2] = {"error": first_line(exc, 300)}
     return meas
 
 
@@ -868,7 +865,7 @@ def gather(device_index: int | None, *, quick: bool, nvml_module: Any = None) ->
     try:
         n_torch = torch.cuda.device_count() if torch.cuda.is_available() else 0
     except Exception as exc:  # noqa: BLE001
-        n_torch, torch_error = 0, _first_line(exc)
+        n_torch, torch_error = 0, first_line(exc, 300)
     report["cuda"] = {
         "torch_device_count": n_torch,
         "nvml_device_count": len(nvml_devices),

@@ -193,7 +193,7 @@ def int8_report(checkpoint: Path, *, val_batches: int = 4, batch_size: int = 4, 
 def main(argv: list[str]) -> int:
     """``python -m perfrun.quantize checkpoint=PATH [val_batches=N] [batch_size=B] [gen_tokens=N]
     [include_head=false] [json=false]``."""
-    from perfrun.cli import _error
+    from perfrun.console import error as _error
     from perfrun.generate import _bool, _int, parse_kv
 
     usage = "python -m perfrun.quantize checkpoint=PATH [val_batches=N] [batch_size=B] [gen_tokens=N] [include_head=false] [json=false]"

@@ -37,7 +37,6 @@ import html
 import io
 import json
 import math
-import os
 import re
 import sys
 from collections.abc import Iterable, Sequence
@@ -50,6 +49,7 @@ from rich.table import Table
 from rich.text import Text  # cells from files are shown as written, never read as rich markup
 
 from perfrun.atomic import atomic_write
+from perfrun.console import error, warn, wide_console
 
 SUMMARY = "summary.json"
 METRICS = "metrics.jsonl"
@@ -366,9 +366,9 @@ def to_dict(report: Report) -> dict[str, Any]:
 
 
 def to_json(report: Report) -> str:
-    from perfrun.telemetry.sinks import _clean
+    from perfrun.atomic import json_safe
 
-    return json.dumps(_clean(to_dict(report)), indent=2, default=str) + "\n"
+    return json.dumps(json_safe(to_dict(report)), indent=2, default=str) + "\n"
 
 
 def _override_cell(r: Row, keys: Sequence[str]) -> str:
@@ -440,17 +440,6 @@ def notes(report: Report) -> list[str]:
         where = f" ({a['root']})" if a["root"] else ""
         lines += [f"ablation{where}: {n}" for n in a["notes"]]
     return lines
-
-
-def wide_console(tables: Sequence[Table]) -> Console:
-    """The shared console; off a terminal with no COLUMNS set (a pipe, a log file), as wide as
-    the tables need, so that no figure is cut to an ellipsis at rich's default 80 columns."""
-    console = Console(highlight=False)
-    if console.is_terminal or "COLUMNS" in os.environ or not tables:
-        return console
-    wide = console.options.update(width=10_000)
-    need = max(console.measure(t, options=wide).maximum for t in tables)
-    return Console(highlight=False, width=max(console.width, need))
 
 
 def print_report(report: Report, console: Console | None = None) -> None:
@@ -559,27 +548,6 @@ def _draw(report: Report) -> bytes:
     buf = io.BytesIO()
     FigureCanvasAgg(fig).print_png(buf)
     return buf.getvalue()
-
-
-def write_atomic(path: Path, data: bytes | str) -> None:
-    """No half-written file ever replaces a good one (see perfrun.atomic)."""
-    atomic_write(path, data)
-
-
-def warn(message: str) -> None:
-    """One yellow line on stderr; the message is printed as is (no rich markup in it)."""
-    from rich.markup import escape
-
-    Console(stderr=True, highlight=False, soft_wrap=True).print(f"[bold yellow]perfrun: warning:[/] {escape(message)}")
-
-
-def error(message: str) -> None:
-    """cli's one red error line, with the message printed as is."""
-    from rich.markup import escape
-
-    from perfrun.cli import _error
-
-    _error(escape(message))
 
 
 def no_plot_warning() -> None:
@@ -700,11 +668,11 @@ def to_markdown(report: Report) -> str:
 def write_sweep_summary(sweep_dir: Path, console: Console | None = None) -> Report:
     """What the sweep callback does: CSV, JSON and PNG in ``sweep_dir``, and the printed table."""
     report = load([sweep_dir])
-    write_atomic(sweep_dir / SWEEP_CSV, to_csv(report))
-    write_atomic(sweep_dir / SWEEP_JSON, to_json(report))
+    atomic_write(sweep_dir / SWEEP_CSV, to_csv(report))
+    atomic_write(sweep_dir / SWEEP_JSON, to_json(report))
     png = plot_or_warn(report)
     if png is not None:
-        write_atomic(sweep_dir / SWEEP_PNG, png)
+        atomic_write(sweep_dir / SWEEP_PNG, png)
     print_report(report, console)
     written = [SWEEP_CSV, SWEEP_JSON] + ([SWEEP_PNG] if png is not None else [])
     (console or Console(highlight=False, soft_wrap=True)).print(
@@ -757,9 +725,9 @@ def main(argv: list[str]) -> int:
         if args.plot or args.html:
             png = plot_or_warn(report)
         if args.plot and png is not None:
-            write_atomic(Path(args.plot), png)
+            atomic_write(Path(args.plot), png)
         if args.html:
-            write_atomic(Path(args.html), to_html(report, png))
+            atomic_write(Path(args.html), to_html(report, png))
     except ReportError as e:
         error(f"report: {e}")
         return 2

@@ -28,7 +28,8 @@ class SweepSummary(Callback):
         FAILED.clear()
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        from perfrun.report import ReportError, warn, write_sweep_summary
+        from perfrun.console import warn
+        from perfrun.report import ReportError, write_sweep_summary
 
         sweep_dir = Path(str(config.hydra.sweep.dir))
         try:

@@ -24,16 +24,18 @@ import torch
 from omegaconf import OmegaConf
 
 from perfrun import checkpoint, distributed
+from perfrun.atomic import write_json
 from perfrun.checkpoint import capture_rng, restore_rng
 from perfrun.config import ConfigError, validate
 from perfrun.data import build_datasets, build_loader
+from perfrun.devices import resolve_device
 from perfrun.environment import device_name, environment, global_state, rank_info
 from perfrun.guards import Diverged, GracefulStop, Interrupted, NonFiniteGuard
 from perfrun.knobs import Plan, apply_knobs
 from perfrun.model import GPT, GPTConfig, padded_vocab
 from perfrun.optim import build_optimizer, build_scheduler
 from perfrun.telemetry.profiling import attach_profiler, dump_memory_snapshot, start_memory_history
-from perfrun.telemetry.sinks import ConsoleReporter, JsonlSink, write_json_atomic
+from perfrun.telemetry.sinks import ConsoleReporter, JsonlSink
 from perfrun.telemetry.throughput import PhaseTimer, StepTimer, Throughput, median
 
 log = logging.getLogger("perfrun")
@@ -41,30 +43,6 @@ log = logging.getLogger("perfrun")
 
 class RunFailed(RuntimeError):
     """A run that stopped for a reason the user can act on (out of memory, ...)."""
-
-
-def resolve_device(spec: str) -> torch.device:
-    """auto | cpu | cuda | cuda:N, checked against what this machine has."""
-    if spec == "auto":
-        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    try:
-        device = torch.device(spec)
-    except RuntimeError:
-        raise ConfigError(f"device={spec} is not a device; use auto, cpu, cuda or cuda:N") from None
-    if device.type == "cpu":
-        return device
-    if device.type != "cuda":
-        raise ConfigError(f"device={spec}: perfrun trains on cpu or cuda; use device=auto, cpu, cuda or cuda:N")
-    if not torch.cuda.is_available():
-        raise ConfigError(f"device={spec}: no CUDA device is visible (torch {torch.__version__}, cuda {torch.version.cuda}); use device=cpu")
-    count = torch.cuda.device_count()
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index >= count:
-        raise ConfigError(
-            f"device={spec}: this machine has {count} CUDA device(s) (cuda:0..cuda:{count - 1}); "
-            "pick one of them (check CUDA_VISIBLE_DEVICES)"
-        )
-    return torch.device("cuda", index)
 
 
 def _rank_device(cfg: Any, device: torch.device) -> torch.device:
@@ -707,7 +685,7 @@ def run(cfg: Any, run_dir: Path | None, *, overrides: list[str] | None = None) -
         if cfg is not None:
             summary["config"] = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else cfg
         if main and run_dir is not None:
-            write_json_atomic(run_dir / "summary.json", summary)
+            write_json(run_dir / "summary.json", summary)
         if summary["status"] == "completed":
             _log_summary(summary)
 

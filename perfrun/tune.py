@@ -184,8 +184,7 @@ class TrainTrial:
     def compose(self, candidate: Candidate) -> Any:
         from hydra import compose, initialize_config_dir
 
-        from perfrun.cli import config_dir
-        from perfrun.config import register_configs
+        from perfrun.config import config_dir, register_configs
 
         register_configs()
         with initialize_config_dir(config_dir=config_dir(), version_base="1.3", job_name="tune"):
@@ -278,10 +277,10 @@ def _bools(text: str) -> list[bool]:
 
 
 def _names(text: str) -> list[str]:
-    from perfrun.config import _CHOICES
+    from perfrun.config import CHOICES
 
     values = [v.strip() for v in text.split(",") if v.strip()]
-    allowed = _CHOICES["checkpointing.name"]
+    allowed = CHOICES["checkpointing.name"]
     if not values or any(v not in allowed for v in values):
         raise argparse.ArgumentTypeError(f"{text!r}: choose from {', '.join(allowed)}")
     return values
@@ -355,9 +354,9 @@ def main(argv: list[str], trial: Callable[[Candidate], TrialResult] | None = Non
     """``perfrun tune``: 0 with a winner, 1 when every trial failed, 2 on bad input."""
     from rich.console import Console
 
-    from perfrun.report import error as _error
-    from perfrun.report import wide_console
-    from perfrun.telemetry.sinks import write_json_atomic
+    from perfrun.atomic import write_json
+    from perfrun.console import error as _error
+    from perfrun.console import wide_console
 
     console = Console(highlight=False, soft_wrap=True)
     try:
@@ -404,7 +403,7 @@ def main(argv: list[str], trial: Callable[[Candidate], TrialResult] | None = Non
         "command": command_line(result.winner.candidate, overrides) if result.winner else None,
     }
     try:
-        write_json_atomic(out / "tune_summary.json", record)
+        write_json(out / "tune_summary.json", record)
     except OSError as e:
         _error(f"tune: cannot write {out / 'tune_summary.json'}: {e.strerror}")
     if result.winner is None:
@@ -419,8 +418,9 @@ def main(argv: list[str], trial: Callable[[Candidate], TrialResult] | None = Non
 
 def _preflight(trial: TrainTrial, space: Space) -> None:
     """Compose and check the first candidate, so a bad override is one line before any trial."""
-    from perfrun.config import ConfigError, first_line, validate
-    from perfrun.train import resolve_device
+    from perfrun.config import ConfigError, validate
+    from perfrun.console import first_line
+    from perfrun.devices import resolve_device
 
     first = Candidate(space.batch_sizes[0] if space.batch_sizes else space.start, space.checkpointing[0],
                       space.compile[0], space.num_workers[0])
@@ -432,9 +432,9 @@ def _preflight(trial: TrainTrial, space: Space) -> None:
         raise TuneError(str(e)) from None
     except Exception as e:  # noqa: BLE001 - Hydra's composition errors are the user's overrides
         try:
-            from perfrun.cli import _one_line
+            from perfrun.console import composition_error
 
-            message = _one_line(e)
+            message = composition_error(e, "tune")
         except ImportError:
             message = first_line(e, 10**6)
         raise TuneError(message) from None

@@ -22,8 +22,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hydra import compose, initialize_config_dir  # noqa: E402
 
-from perfrun.cli import config_dir  # noqa: E402
-from perfrun.config import register_configs  # noqa: E402
+from perfrun.config import (
+    config_dir,  # noqa: E402
+    register_configs,  # noqa: E402
+)
 from perfrun.telemetry.throughput import median  # noqa: E402
 from perfrun.train import run  # noqa: E402
 

@@ -30,14 +30,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hydra import compose, initialize_config_dir  # noqa: E402
 
-from perfrun.cli import config_dir  # noqa: E402
-from perfrun.config import register_configs  # noqa: E402
+from perfrun.config import (
+    config_dir,  # noqa: E402
+    register_configs,  # noqa: E402
+)
 from perfrun.data import build_datasets, build_loader  # noqa: E402
+from perfrun.devices import resolve_device  # noqa: E402
 from perfrun.knobs.precision import DTYPES  # noqa: E402
 from perfrun.model import GPT, GPTConfig, padded_vocab  # noqa: E402
 from perfrun.optim import build_optimizer, build_scheduler  # noqa: E402
 from perfrun.telemetry.throughput import median  # noqa: E402
-from perfrun.train import resolve_device, run, seed_everything  # noqa: E402
+from perfrun.train import run, seed_everything  # noqa: E402
 
 
 def plain_loop(cfg: Any, warmup: int) -> dict[str, float]:

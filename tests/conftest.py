@@ -14,8 +14,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from perfrun.cli import config_dir
-from perfrun.config import register_configs
+from perfrun.config import config_dir, register_configs
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -17,8 +17,8 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from perfrun import report
-from perfrun.cli import config_dir, train_main
-from perfrun.config import register_configs
+from perfrun.cli import train_main
+from perfrun.config import config_dir, register_configs
 
 from conftest import REPO, TINY_MODEL, run_cli
 

@@ -172,7 +172,7 @@ def torch_device_uuid(index: int) -> str | None:
         return None
 
 
-def _plain(value: Any) -> Any:
+def ctypes_value(value: Any) -> Any:
     """pynvml returns ctypes scalars in a few places (nvmlDeviceIsMigDeviceHandle)."""
     return getattr(value, "value", value)
 
@@ -264,10 +264,10 @@ class Nvml:
             out.append(NvmlDevice(h, i, _text(uuid) or "", _text(name)))
         for parent in list(out):
             mig = self.call("mig_mode", "nvmlDeviceGetMigMode", parent.handle, warn=False)
-            if not mig or _plain(mig[0]) != 1:
+            if not mig or ctypes_value(mig[0]) != 1:
                 continue
             slots = self.call("mig_count", "nvmlDeviceGetMaxMigDeviceCount", parent.handle, warn=False) or 0
-            for j in range(int(_plain(slots))):
+            for j in range(int(ctypes_value(slots))):
                 h = self.call("mig_handle", "nvmlDeviceGetMigDeviceHandleByIndex", parent.handle, j, warn=False)
                 if h is None:
                     continue
@@ -308,7 +308,7 @@ class Nvml:
             ("nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetCurrentClocksThrottleReasons"),
             handle,
         )
-        return None if value is None else int(_plain(value))
+        return None if value is None else int(ctypes_value(value))
 
     def throttle_reasons(self, handle: Any) -> list[str] | None:
         return decode_reasons(self.throttle_mask(handle), self.module)

@@ -316,10 +316,6 @@ def load_cache(path: Path | None = None) -> dict[str, Any]:
     return data
 
 
-def _write_atomic(path: Path, data: dict[str, Any]) -> None:
-    atomic_write(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
-
-
 @contextlib.contextmanager
 def _locked(path: Path) -> Iterator[None]:
     """An advisory lock so two processes' read-modify-write don't lose an entry."""
@@ -350,7 +346,7 @@ def store_measured(key: str, dtype_name: str, result: MatmulResult, *, path: Pat
             "torch": torch.__version__,
         }
         data["version"] = 1
-        _write_atomic(path, data)
+        atomic_write(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 def lookup_measured(key: str, dtype_name: str, *, path: Path | None = None) -> dict[str, Any] | None:

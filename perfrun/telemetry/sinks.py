@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,25 +19,9 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from perfrun.atomic import atomic_write
+from perfrun.atomic import json_safe
 
 log = logging.getLogger("perfrun")
-
-
-def _clean(obj: Any) -> Any:
-    """JSON has no NaN or infinity: write them as null (strict parsers reject them)."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    if isinstance(obj, dict):
-        return {k: _clean(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_clean(v) for v in obj]
-    return obj
-
-
-def write_json_atomic(path: Path, obj: Any) -> None:
-    """summary.json and friends: all or nothing (perfrun.atomic)."""
-    atomic_write(path, json.dumps(_clean(obj), indent=2, default=str) + "\n")
 
 
 class JsonlSink:
@@ -52,7 +35,7 @@ class JsonlSink:
 
     def write(self, record: dict[str, Any]) -> None:
         if self._f is not None:
-            self._f.write(json.dumps(_clean(record), default=str) + "\n")
+            self._f.write(json.dumps(json_safe(record), default=str) + "\n")
             self._f.flush()
 
     def close(self) -> None:

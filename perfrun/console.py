@@ -1,0 +1,71 @@
+"""The one console: error and warning lines, the wide console for tables, and the
+formatter that turns an exception into the one line a user reads.
+
+Every command prints its errors through :func:`error` and its warnings through
+:func:`warn`, so a message is escaped for rich exactly once, whoever raised it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+
+
+def stderr_console() -> Console:
+    return Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def error(message: str) -> None:
+    """``perfrun: error: MESSAGE`` in red on stderr; the message is printed as is."""
+    stderr_console().print(f"[bold red]perfrun: error:[/] {escape(message)}")
+
+
+def warn(message: str) -> None:
+    """``perfrun: warning: MESSAGE`` in yellow on stderr; the message is printed as is."""
+    stderr_console().print(f"[bold yellow]perfrun: warning:[/] {escape(message)}")
+
+
+def first_line(exc: BaseException | str, limit: int = 160) -> str:
+    """The first line of an exception's message (its type's name when it has none), cut to
+    ``limit`` characters: what fits inside a one-line error."""
+    lines = str(exc).strip().splitlines()
+    if lines:
+        return lines[0][:limit]
+    return (type(exc).__name__ if isinstance(exc, BaseException) else "")[:limit]
+
+
+def composition_error(exc: BaseException, command: str = "train") -> str:
+    """Hydra's composition errors as one line: what was wrong and how to fix it."""
+    from hydra.errors import MissingConfigException
+
+    if isinstance(exc, MissingConfigException) and exc.options is not None:
+        group = exc.missing_cfg_file.rsplit("/", 1)[0] if exc.missing_cfg_file else "the group"
+        wrong = exc.missing_cfg_file.rsplit("/", 1)[-1] if exc.missing_cfg_file else "?"
+        return f"{group}={wrong} is not an option of {group}; choose one of {', '.join(exc.options)}"
+    text = str(exc).strip()
+    cause = exc.__cause__
+    if text.startswith("Could not override"):
+        key = text.split("'")[1] if "'" in text else text
+        return (f"{key} is not a key of the configuration; list the keys with perfrun {command} --cfg job "
+                "(a misspelt group or key is the usual cause)")
+    if text.startswith("Error merging override") and cause is not None:
+        override = text.removeprefix("Error merging override").strip()
+        reason = str(cause).strip().splitlines()[0]
+        return f"{override}: {reason}; give a value of the type the key takes (perfrun {command} --cfg job shows them)"
+    first = text.splitlines()[0] if text else type(exc).__name__
+    return f"{first} (perfrun {command} --help lists the groups and options)"
+
+
+def wide_console(renderables: Sequence[Any]) -> Console:
+    """The standard console; off a terminal with no COLUMNS set (a pipe, a log file), as
+    wide as the tables need, so that no figure is cut to an ellipsis at rich's default 80."""
+    console = Console(highlight=False)
+    if console.is_terminal or "COLUMNS" in os.environ or not renderables:
+        return console
+    wide = console.options.update(width=10_000)
+    need = max(console.measure(t, options=wide).maximum for t in renderables)
+    return Console(highlight=False, width=max(console.width, need))

@@ -1,0 +1,94 @@
+"""summary.json: what one training job tells when it ends. This TypedDict is the one
+definition of its keys; the trainer writes it and report, tune, sweeps and the
+benchmark scripts read it through :func:`read_summary`, so a renamed key breaks a type
+check instead of a table.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal, TypedDict
+
+SUMMARY_FILE = "summary.json"
+
+Status = Literal["running", "completed", "interrupted", "failed"]
+
+
+class RunSummary(TypedDict, total=False):
+    # what the job was and how it ended
+    status: Status
+    reason: str
+    overrides: list[str]
+    config: dict[str, Any]
+    rank: int
+    world_size: int
+    resumed_from: str | None
+    wall_s: float
+    setup_s: float
+    interrupted_by: int | None
+    failure: str | None
+    # the model, the data and the knobs as applied
+    knobs: dict[str, Any]
+    fused_adamw: bool
+    params: int
+    params_non_embedding: int
+    vocab_size: int
+    vocab_size_padded: int
+    seq_len: int
+    tokens_per_step: int
+    flops_per_token: float
+    data: str
+    batch_size_auto: dict[str, Any] | None
+    memory_snapshot: bool | None
+    memory_snapshot_path: str | None
+    environment: dict[str, Any]
+    global_state_at_start: dict[str, Any]
+    global_state_after: dict[str, Any]
+    # MFU's denominator
+    mfu_peak_tflops: float | None
+    mfu_peak_source: str
+    mfu_dtype: str
+    datasheet_tflops: float | None
+    datasheet_note: str
+    measured_tflops: float | None
+    # the figures
+    steps: int
+    start_step: int
+    tokens: int
+    train_time_s: float
+    eval_time_s: float
+    checkpoint_time_s: float
+    first_step_s: float | None
+    step_time_ms_median: float | None
+    steady_steps: int
+    tokens_per_s_median: float | None
+    tokens_per_s_mean: float | None
+    tokens_per_s_per_rank_median: float | None
+    mfu_median: float | None
+    peak_mem_mib: float
+    peak_mem_source: str
+    data_wait_pct: float | None
+    compile_s_estimate: float | None
+    final_train_loss: float | None
+    final_val_loss: float | None
+    step_breakdown: dict[str, Any]
+    data_position: dict[str, int]
+    checkpoints: list[str]
+    guard: dict[str, Any]
+    # telemetry
+    monitor: dict[str, Any]
+    monitor_ranks: list[dict[str, Any]]
+    monitor_job: dict[str, Any]
+
+
+def read_summary(path: Path) -> RunSummary:
+    """A job's summary.json (``path`` is the file or its run dir). Raises OSError or
+    ValueError for a missing or unreadable file; the caller says which run."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / SUMMARY_FILE
+    data = json.loads(path.read_text())
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} does not hold a JSON object")
+    return data  # type: ignore[return-value]
