@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Session 9 on the lent H100: TF32 check, GPU tests, bench_train, profiled run, generate, DDP(nccl) vs plain.
+# On an H100: TF32 check, GPU tests, bench_train, profiled run, generate, DDP(nccl) vs plain.
 set -uo pipefail
 R=/tmp/results; mkdir -p "$R"
 export PERFRUN_CACHE=${PERFRUN_CACHE:-/tmp/perfrun-cache} COLUMNS=160
 T0=$(date +%s); el() { echo "[t+$(( $(date +%s) - T0 ))s] $*" | tee -a "$R/timeline.txt"; }
 pack() {  # files <= 5 MiB into the tarball; a listing of everything
   (cd "$R" && find . -type f -printf '%s\t%p\n' | sort -k2 > file_listing.txt \
-   && find . -type f -size -5121k | sort > /tmp/tarlist && tar czf "$OUT/results.tgz" -T /tmp/tarlist)
+   && find . -type f -size -5121k | sort > /tmp/tarlist && tar czf "${RESULTS:-results}.tgz" -T /tmp/tarlist)
 }
 el start
 { nvidia-smi -L; nvidia-smi --query-gpu=name,driver_version,power.limit --format=csv,noheader
