@@ -16,6 +16,9 @@ Both functions take ``(hidden, weight, targets)``: hidden states ``(..., C)``, t
 weight ``(V, C)`` (GPT-2's is the token embedding, tied) and targets of hidden's leading
 shape. Under autocast the matmuls run in the autocast dtype and the softmax in fp32, as
 the standard path does.
+
+This module imports nothing from perfrun, so that the schema in ``perfrun/config.py`` can
+hold :class:`LossConfig` without an import cycle.
 """
 
 from __future__ import annotations
@@ -28,10 +31,8 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
-from perfrun.config import ConfigError
-
 LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-LOSSES = ("standard", "chunked")
+LOSSES = ("standard", "chunked")  # the loss group's options, for config.CHOICES
 
 
 @dataclass
@@ -115,16 +116,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 LOSS_FUNCTIONS = {"standard": standard_linear_cross_entropy, "chunked": chunked_linear_cross_entropy}
 
 
-def check(cfg: Any) -> None:
-    """The loss group's values, checked before any work (one line: what, why, fix)."""
-    if cfg.name not in LOSSES:
-        raise ConfigError(f"loss={cfg.name} is not an option; choose one of {', '.join(LOSSES)}")
-    if cfg.chunk_size < 1:
-        raise ConfigError(f"loss.chunk_size={cfg.chunk_size} must be >= 1 (rows of batch x sequence per chunk); "
-                          "set loss.chunk_size=2048")
-
-
 def build(cfg: Any) -> LossFn:
-    """The loss function the ``loss`` group names, as ``fn(hidden, weight, targets)``."""
-    check(cfg)
+    """The loss function the ``loss`` group names, as ``fn(hidden, weight, targets)``
+    (``config.validate`` has checked the name and the chunk size)."""
     return partial(LOSS_FUNCTIONS[cfg.name], chunk_size=int(cfg.chunk_size))
