@@ -1,5 +1,6 @@
-"""The one console: error and warning lines, the wide console for tables, and the
-formatter that turns an exception into the one line a user reads.
+"""The one console: error and warning lines, the wide console for tables, the
+formatter that turns an exception into the one line a user reads, and the one that
+prints a figure that may be missing.
 
 Every command prints its errors through :func:`error` and its warnings through
 :func:`warn`, so a message is escaped for rich exactly once, whoever raised it.
@@ -7,6 +8,7 @@ Every command prints its errors through :func:`error` and its warnings through
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -36,6 +38,14 @@ def first_line(exc: BaseException | str, limit: int = 160) -> str:
     if lines:
         return lines[0][:limit]
     return (type(exc).__name__ if isinstance(exc, BaseException) else "")[:limit]
+
+
+def fmt(value: Any, spec: str = ".1f", *, scale: float = 1.0, unit: str = "", missing: str = "n/a") -> str:
+    """A figure as a table cell: ``value * scale`` in ``spec`` with ``unit``; ``missing``
+    where there is no finite number (None, NaN, a value that was N/A when read)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        return missing
+    return f"{value * scale:{spec}}{unit}"
 
 
 def composition_error(exc: BaseException, command: str = "train") -> str:

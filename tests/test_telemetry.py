@@ -79,10 +79,12 @@ def test_every_nvml_name_perfrun_uses_exists_in_pynvml_and_the_fake():
     # scanned by prefix (not called), and perfrun's own module attribute
     prefixes = {"nvmlClocksEventReason", "nvmlClocksThrottleReason", "NVML_MODULE"}
     used: set[str] = set()
-    for path in ("perfrun/telemetry/nvml.py", "perfrun/telemetry/monitor.py", "perfrun/gpucheck.py"):
-        used |= set(re.findall(r"\b(nvml[A-Z]\w*|NVML_[A-Z0-9_]+)\b", (REPO / path).read_text()))
+    for path in [REPO / "perfrun/telemetry/nvml.py", REPO / "perfrun/telemetry/monitor.py",
+                 *sorted((REPO / "perfrun/gpucheck").glob("*.py"))]:
+        used |= set(re.findall(r"\b(nvml[A-Z]\w*|NVML_[A-Z0-9_]+)\b", path.read_text()))
     used -= prefixes
     assert "nvmlDeviceGetUtilizationRates" in used  # the scan finds real calls
+    assert "nvmlDeviceGetEccMode" in used  # gpu-check's own calls among them
     assert sorted(n for n in used if not hasattr(pynvml, n)) == []
     assert sorted(n for n in used if not hasattr(fake, n)) == []
 
@@ -230,9 +232,10 @@ def test_collect_makes_no_blocking_nvml_call_while_the_thread_runs(monkeypatch):
     gpu = FakeGpu(uuid=UUID_A, energy_mj=lambda: next(counter))
     mon = gpu_monitor(monkeypatch, gpu, SimpleNamespace(every_n_steps=1, sample_interval_s=0.01, pcie=False))
     mon.start()
-    deadline = time.time() + 5
-    while gpu.calls.get("energy_mj", 0) < 4 and time.time() < deadline:
+    deadline = time.monotonic() + 120  # a guard against a hang, not a figure the test needs
+    while gpu.calls.get("energy_mj", 0) < 4 and time.monotonic() < deadline:
         time.sleep(0.01)
+    assert gpu.calls["energy_mj"] >= 4  # the thread read the counter (and sampled) several times
     mon._stop.set()  # freeze the thread so the call counts stay put
     mon._thread.join()
     mon._stop.clear()
@@ -392,10 +395,16 @@ def test_slow_steps_need_three_timed_intervals(monkeypatch):
 def test_cpu_monitor_thread_samples_host_only():
     mon = Monitor(torch.device("cpu"), SimpleNamespace(every_n_steps=1, sample_interval_s=0.02, pcie=False))
     mon.start()
-    deadline = time.time() + 5
-    x = 0
-    while mon._run.samples < 3 and time.time() < deadline:
-        x += sum(range(20_000))  # keep this process busy so its CPU% is measurable
+    cpu0 = time.process_time()
+    deadline = time.monotonic() + 120  # a guard against a hang, not a figure the test needs
+    # keep this process busy until it has used 50 ms of CPU (the kernel counts it in 10 ms
+    # ticks), however little of a core a busy machine leaves it, and 3 samples were taken
+    while (time.process_time() - cpu0 < 0.05 or mon._run.samples < 3) and time.monotonic() < deadline:
+        sum(range(20_000))
+    # two more samples: the thread's latest host counters are then read after that CPU was used
+    seen = mon._run.samples
+    while mon._run.samples < seen + 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
     rec = mon.collect(5, 0.01)
     mon.close()
     mon.close()  # idempotent
@@ -415,22 +424,30 @@ def test_cpu_monitor_thread_samples_host_only():
 
 
 def test_host_sampler_counts_worker_children_and_their_cpu():
+    """CPU shares are checked against bounds computed from wall time measured here, so a
+    busy machine (a worker that takes seconds to get its 0.6 s of CPU) cannot fail it."""
+    t_start = time.monotonic()
     host = HostSampler()
     burn = (
         "import sys, time\nt=time.process_time()\nwhile time.process_time()-t<0.6: pass\n"
-        "print('done', flush=True)\ntime.sleep(5)"
+        "print('done', flush=True)\ntime.sleep(600)"
     )
     worker = subprocess.Popen([sys.executable, "-c", burn], stdout=subprocess.PIPE, text=True)
-    helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(5)  # compile_worker"])
+    helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)  # compile_worker"])
     try:
         assert worker.stdout is not None and worker.stdout.readline().strip() == "done"
+        t_first = time.monotonic()
         iv = host.interval()
+        first_span = time.monotonic() - t_start  # at least the interval's length
         assert iv.workers == 1  # the compile_worker helper is not a DataLoader worker
-        assert iv.workers_cpu_pct is not None and iv.workers_cpu_pct > 5
+        # the worker's 0.6 s of CPU (>= 0.5 s in the kernel's 10 ms ticks) all fall in the interval
+        assert iv.workers_cpu_pct is not None and iv.workers_cpu_pct >= 100 * 0.5 / first_span
         assert iv.host_cpu_pct is not None
         time.sleep(0.3)
         iv2 = host.interval()  # the worker now sleeps: little CPU in the new interval
-        assert iv2.workers == 1 and iv2.workers_cpu_pct < iv.workers_cpu_pct
+        second_span = time.monotonic() - t_first  # at least the interval's length
+        assert iv2.workers == 1 and iv2.workers_cpu_pct is not None
+        assert iv2.workers_cpu_pct / 100 * second_span < 0.1  # CPU seconds, against >= 0.5 before
     finally:
         worker.kill()
         helper.kill()
@@ -473,11 +490,16 @@ def test_datasheet_lookup(name, dtype, value):
 
 
 def test_datasheet_misses_say_why():
-    assert peaks.datasheet_peak_tflops("AMD EPYC 7B13", "fp32") == (None, "no datasheet entry for 'AMD EPYC 7B13'")
+    # ... and how to get an MFU figure all the same (the note is what a run prints for MFU)
+    v, why = peaks.datasheet_peak_tflops("AMD EPYC 7B13", "fp32")
+    assert v is None and why == (
+        "no datasheet entry for 'AMD EPYC 7B13'; for an MFU figure, run `perfrun gpu-check` to measure "
+        "this machine's peak, then train with mfu.peak=measured")
     v, why = peaks.datasheet_peak_tflops("Tesla V100-PCIE-32GB", "bf16")
-    assert v is None and "no bf16" in why and "Volta" in why
+    assert v is None and "no bf16" in why and "Volta" in why and why.endswith("mfu.peak=measured")
     v, why = peaks.datasheet_peak_tflops("NVIDIA A10G", "bf16")
     assert v is None and "A10G" in why and "measured" in why
+    assert why.count("mfu.peak=measured") == 1  # its own note says it already
     with pytest.raises(ValueError, match="dtype"):
         peaks.datasheet_peak_tflops("NVIDIA A10", "int8")
 
@@ -487,6 +509,28 @@ def test_measure_matmul_cpu():
     assert r.tflops > 0 and r.size == 128 and r.inner >= 1
     assert "median of 3" in r.method() and "perf_counter" in r.method()
     assert peaks.measure_matmul_tflops(torch.device("cpu"), torch.float32, size=64, repeats=2) > 0
+
+
+def test_measure_matmuls_interleaves_the_repeats(monkeypatch):
+    """Timed repeats alternate between the dtypes, so a load that comes and goes hits each alike."""
+    timed = []
+    real = peaks._time_once
+
+    def recorded(fn, device, inner):
+        timed.append(fn)
+        return real(fn, device, inner)
+
+    monkeypatch.setattr(peaks, "_time_once", recorded)
+    fp32, bf16 = peaks.measure_matmuls(torch.device("cpu"), [(torch.float32, None), (torch.bfloat16, None)],
+                                       size=64, repeats=3, warmup_s=0.0)
+    last = timed[-6:]  # after both warm-ups: the six timed repeats
+    assert last[0] is not last[1] and last == [last[0], last[1]] * 3
+    assert (fp32.dtype, bf16.dtype) == ("fp32", "bf16") and fp32.interleaved_with == ("bf16",)
+    assert "median of 3 repeats" in bf16.method() and "interleaved with fp32" in bf16.method()
+    for r in (fp32, bf16):
+        low, high = r.tflops_range
+        assert 0 < low <= r.tflops <= high
+    assert peaks.measure_matmul(torch.device("cpu"), torch.float32, size=64, repeats=2).interleaved_with == ()
 
 
 def test_tf32_context_restores_the_flag():

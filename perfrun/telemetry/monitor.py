@@ -9,143 +9,30 @@ its cost is measured anyway (``monitor_overhead_s`` in the summary).
 
 from __future__ import annotations
 
-import math
-import statistics
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from perfrun.telemetry import nvml as nvml_mod
+from perfrun.telemetry.aggregate import (
+    SLOW_STEP_FACTOR,
+    IntervalRecord,
+    Sample,
+    Window,
+    gpu_interval_record,
+    gpu_run_figures,
+    rounded,
+    rounded_sig,
+    throttle_slow_steps,
+)
 from perfrun.telemetry.host import HostInterval, HostSampler
 
-_MIB = 1024 * 1024
-
-#: Steps slower than the run's median step time by more than this are "slow".
-SLOW_STEP_FACTOR = 1.10
-#: At most this many slow intervals are listed in the summary (the slowest first).
-MAX_SLOW_STEPS_LISTED = 50
 #: Reads that block for milliseconds (NVML's energy counter ~4 ms on an H100, the /proc
 #: scan for worker processes ~2 ms) happen in the sampler thread at most this often,
 #: never on the training thread while the sampler runs.
 SLOW_READ_PERIOD_S = 1.0
-
-_GPU_FIELDS = (
-    "gpu_util",
-    "gpu_mem_util",
-    "gpu_mem_used",
-    "power_w",
-    "temp_c",
-    "sm_clock",
-    "mem_clock",
-    "pcie_tx",
-    "pcie_rx",
-)
-
-
-@dataclass
-class Sample:
-    """One reading of everything the sampler watches; ``None`` is N/A."""
-
-    t: float
-    rss_mib: float | None = None
-    gpu_util: float | None = None
-    gpu_mem_util: float | None = None
-    gpu_mem_used: float | None = None  # MiB
-    power_w: float | None = None
-    temp_c: float | None = None
-    sm_clock: float | None = None
-    mem_clock: float | None = None
-    pcie_tx: float | None = None  # MB/s
-    pcie_rx: float | None = None
-    reasons: list[str] | None = None  # decoded clock-event reasons
-
-
-@dataclass
-class _Agg:
-    """Running count/sum/max/min of one field, skipping N/A."""
-
-    n: int = 0
-    total: float = 0.0
-    hi: float = -math.inf
-    lo: float = math.inf
-
-    def add(self, v: float | None) -> None:
-        if v is None:
-            return
-        self.n += 1
-        self.total += v
-        self.hi = max(self.hi, v)
-        self.lo = min(self.lo, v)
-
-    @property
-    def mean(self) -> float | None:
-        return self.total / self.n if self.n else None
-
-    @property
-    def max(self) -> float | None:
-        return self.hi if self.n else None
-
-    @property
-    def min(self) -> float | None:
-        return self.lo if self.n else None
-
-
-@dataclass
-class _Window:
-    """Aggregates over a span of samples: one per interval, one for the whole run."""
-
-    samples: int = 0
-    aggs: dict[str, _Agg] = field(default_factory=dict)
-    reasons_seen: set[str] = field(default_factory=set)
-    reason_samples: int = 0  # samples whose reasons could be read
-    slowdown_samples: int = 0
-    slowdown_reasons: set[str] = field(default_factory=set)
-    power_integral_j: float = 0.0
-    power_integral_ok: bool = True
-
-    def agg(self, name: str) -> _Agg:
-        a = self.aggs.get(name)
-        if a is None:
-            a = self.aggs[name] = _Agg()
-        return a
-
-    def add(self, s: Sample, prev: Sample | None) -> None:
-        self.samples += 1
-        self.agg("rss_mib").add(s.rss_mib)
-        for name in _GPU_FIELDS:
-            self.agg(name).add(getattr(s, name))
-        if s.reasons is not None:
-            self.reason_samples += 1
-            self.reasons_seen.update(s.reasons)
-            slow = [r for r in s.reasons if r in nvml_mod.SLOWDOWN_REASONS]
-            if slow:
-                self.slowdown_samples += 1
-                self.slowdown_reasons.update(slow)
-        if prev is not None and s.t > prev.t:
-            if s.power_w is None or prev.power_w is None:
-                self.power_integral_ok = False
-            else:  # trapezoid: the fallback when the energy counter is N/A
-                self.power_integral_j += 0.5 * (s.power_w + prev.power_w) * (s.t - prev.t)
-
-    def throttled_share(self) -> float | None:
-        return self.slowdown_samples / self.reason_samples if self.reason_samples else None
-
-
-@dataclass
-class _IntervalRecord:
-    """What the slow-step rule needs from one collect() interval."""
-
-    since_step: int | None  # the previous collect's step (exclusive); None for the first
-    step: int
-    step_time_s: float | None
-    slowdown_reasons: set[str]
-
-
-def _r(v: float | None, nd: int = 1) -> float | None:
-    return None if v is None else round(v, nd)
 
 
 class Monitor:
@@ -184,9 +71,9 @@ class Monitor:
         self._thread: threading.Thread | None = None
         self._closed = False
         self._prev: Sample | None = None
-        self._interval = _Window()
-        self._run = _Window()
-        self._records: list[_IntervalRecord] = []
+        self._interval = Window()
+        self._run = Window()
+        self._records: list[IntervalRecord] = []
         self._last_step: int | None = None
         self._run_t0 = time.perf_counter()
         self._host_prev = self.host.snapshot()  # host counters at the previous collect
@@ -321,24 +208,24 @@ class Monitor:
         if empty and not sampling:
             self.sample()
         with self._lock:
-            w, self._interval = self._interval, _Window()
+            w, self._interval = self._interval, Window()
             last = self._prev
         n_samples = w.samples
         if n_samples == 0 and last is not None:
             # an interval shorter than the sample period: report the latest sample (at
             # most sample_interval_s old) rather than pay for a reading on this thread
-            w = _Window()
+            w = Window()
             w.add(last, None)
         hi, dt = self._host_interval(sampling)
 
         out: dict[str, Any] = {"monitor_samples": n_samples}
         if self.is_cuda:
             out.update(self._gpu_record(w))
-        out["host_cpu_pct_mean"] = _r(hi.host_cpu_pct)
-        out["proc_cpu_pct_mean"] = _r(hi.proc_cpu_pct)
-        out["rss_mib_max"] = _r(w.agg("rss_mib").max)
+        out["host_cpu_pct_mean"] = rounded(hi.host_cpu_pct)
+        out["proc_cpu_pct_mean"] = rounded(hi.proc_cpu_pct)
+        out["rss_mib_max"] = rounded(w.agg("rss_mib").max)
         out["workers"] = hi.workers
-        out["workers_cpu_pct_mean"] = _r(hi.workers_cpu_pct)
+        out["workers_cpu_pct_mean"] = rounded(hi.workers_cpu_pct)
 
         for key, value in (("host_cpu_pct", hi.host_cpu_pct), ("workers_cpu_pct", hi.workers_cpu_pct)):
             if value is not None and dt > 0:
@@ -346,7 +233,7 @@ class Monitor:
                 self._host_weighted[key][1] += dt
         self._workers_max = max(self._workers_max, hi.workers)
         self._records.append(
-            _IntervalRecord(
+            IntervalRecord(
                 since_step=self._last_step,
                 step=step,
                 step_time_s=step_time_s,
@@ -376,48 +263,26 @@ class Monitor:
         self._host_prev, self._host_carry = cur, hi
         return hi, dt
 
-    def _gpu_record(self, w: _Window) -> dict[str, Any]:
-        a = w.agg
+    def _gpu_record(self, w: Window) -> dict[str, Any]:
         # Without the thread, collect reads the total-energy counter itself: the interval's
         # energy is its exact delta. With the thread, the counter is read only about once
         # a second, so a short interval may see no new reading (a false 0 J): its energy
         # is then the integral of its power samples, and the counter still gives the
         # run's exact total in summary() (energy_source says which was used).
         energy_j: float | None = None
-        integral = w.power_integral_j if (w.power_integral_ok and w.samples > 1) else None
         if self.sampling:
-            energy_j = integral
+            energy_j = w.integrated_energy_j()
             now_mj = self._energy_latest_mj
         else:
             now_mj = self._energy_mj()
             if now_mj is not None and self._energy_last_mj is not None:
                 energy_j = (now_mj - self._energy_last_mj) / 1000.0
             elif self._energy_start_mj is None:
-                energy_j = integral
+                energy_j = w.integrated_energy_j()
         if now_mj is not None:
             self._energy_last_mj = now_mj
-        rec: dict[str, Any] = {
-            "gpu_util_pct_mean": _r(a("gpu_util").mean),
-            "gpu_util_pct_max": _r(a("gpu_util").max),
-            "gpu_mem_util_pct_mean": _r(a("gpu_mem_util").mean),
-            "gpu_mem_used_mib": _r(a("gpu_mem_used").max, 0),
-            "gpu_mem_total_mib": _r(self.mem_total_mib, 0),
-            "power_w_mean": _r(a("power_w").mean),
-            "power_w_max": _r(a("power_w").max),
-            "power_limit_w": _r(self.power_limit_w),
-            "temp_c_mean": _r(a("temp_c").mean),
-            "temp_c_max": _r(a("temp_c").max),
-            "sm_clock_mhz_mean": _r(a("sm_clock").mean, 0),
-            "sm_clock_mhz_min": _r(a("sm_clock").min, 0),
-            "mem_clock_mhz_mean": _r(a("mem_clock").mean, 0),
-            "throttle_reasons": sorted(w.reasons_seen) if w.reason_samples else None,
-            "throttled_sample_share": _r(w.throttled_share(), 3),
-            "energy_j": _r(energy_j, 2),
-        }
-        if self.pcie:
-            rec["pcie_tx_mb_s_mean"] = _r(a("pcie_tx").mean)
-            rec["pcie_rx_mb_s_mean"] = _r(a("pcie_rx").mean)
-        return rec
+        return gpu_interval_record(w, mem_total_mib=self.mem_total_mib, power_limit_w=self.power_limit_w,
+                                   energy_j=energy_j, pcie=self.pcie)
 
     def attach_step_times(self, first_step: int, durations: list[float], warmup: int = 0) -> None:
         """Fill in each interval's mean step time from the trainer's per-step durations
@@ -437,39 +302,9 @@ class Monitor:
                 r.step_time_s = sum(span) / len(span) if span else None
 
     def throttle_slow_steps(self) -> list[dict[str, Any]]:
-        """Intervals that were slow while the GPU reported a slowdown reason.
-
-        The rule, exactly: take every :meth:`collect` interval with a step time
-        (``step_time_s`` not ``None``); the median of those step times is the run's
-        median. An interval is listed when its step time is more than
-        ``SLOW_STEP_FACTOR`` (1.10) times that median AND at least one sample taken
-        during it reported a slowdown clock-event reason (:data:`nvml.SLOWDOWN_REASONS`:
-        power cap, thermal or hardware slowdown, power brake, sync boost, board limit,
-        reliability; not ``gpu_idle`` or a configured clock). Fewer than 3 timed
-        intervals give no median worth comparing against, so nothing is listed.
-        Listed slowest first, at most ``MAX_SLOW_STEPS_LISTED``; each entry covers the
-        steps after ``since_step`` up to and including ``step``.
-        """
-        timed = [r for r in self._records if r.step_time_s is not None and r.step_time_s > 0]
-        if len(timed) < 3:
-            return []
-        median = statistics.median(r.step_time_s for r in timed)  # type: ignore[misc]
-        out = []
-        for r in timed:
-            assert r.step_time_s is not None
-            if r.step_time_s > SLOW_STEP_FACTOR * median and r.slowdown_reasons:
-                out.append(
-                    {
-                        "step": r.step,
-                        "since_step": r.since_step,
-                        "step_time_s": round(r.step_time_s, 6),
-                        "median_step_time_s": round(median, 6),
-                        "slower_pct": round(100.0 * (r.step_time_s / median - 1.0), 1),
-                        "reasons": sorted(r.slowdown_reasons),
-                    }
-                )
-        out.sort(key=lambda d: -d["step_time_s"])
-        return out[:MAX_SLOW_STEPS_LISTED]
+        """The intervals collected so far that were slow while the GPU reported a
+        slowdown reason (the rule: :func:`aggregate.throttle_slow_steps`)."""
+        return throttle_slow_steps(self._records)
 
     def summary(self, tokens: int) -> dict[str, Any]:
         """Run-level figures for summary.json.
@@ -479,51 +314,42 @@ class Monitor:
         """
         with self._lock:
             run = self._run
-            a = run.agg
             energy_j: float | None = None
             source: str | None = None
             now_mj = self._energy_mj()
             if now_mj is not None and self._energy_start_mj is not None:
                 energy_j, source = (now_mj - self._energy_start_mj) / 1000.0, "nvml_total_energy_counter"
-            elif self.gpu is not None and run.power_integral_ok and run.samples > 1:
-                energy_j, source = run.power_integral_j, "power_samples_integrated"
-            slow = self.throttle_slow_steps()
+            elif self.gpu is not None and run.integrated_energy_j() is not None:
+                energy_j, source = run.integrated_energy_j(), "power_samples_integrated"
             hw = self._host_weighted
             out: dict[str, Any] = {
                 "gpu_name": self.gpu.name if self.gpu else None,
                 "gpu_uuid": self.gpu.uuid if self.gpu else None,
-                "gpu_util_pct_mean": _r(a("gpu_util").mean),
-                "gpu_util_pct_max": _r(a("gpu_util").max),
-                "gpu_mem_used_mib_max": _r(a("gpu_mem_used").max, 0),
-                "gpu_mem_total_mib": _r(self.mem_total_mib, 0),
-                "power_w_mean": _r(a("power_w").mean),
-                "power_w_max": _r(a("power_w").max),
-                "power_limit_w": _r(self.power_limit_w),
-                "temp_c_max": _r(a("temp_c").max),
-                "sm_clock_mhz_mean": _r(a("sm_clock").mean, 0),
-                "energy_j": _r(energy_j, 2),
+                **gpu_run_figures(run, mem_total_mib=self.mem_total_mib, power_limit_w=self.power_limit_w),
+                "energy_j": rounded(energy_j, 2),
                 "energy_source": source,
                 "joules_per_token": (energy_j / tokens) if (energy_j is not None and tokens > 0) else None,
                 "throttle_reasons_seen": sorted(run.reasons_seen) if run.reason_samples else None,
-                "throttled_sample_share": _r(run.throttled_share(), 3),
-                "throttle_slow_steps": slow,
+                "throttled_sample_share": rounded(run.throttled_share(), 3),
+                "throttle_slow_steps": self.throttle_slow_steps(),
                 "throttle_slow_step_rule": (
                     f"interval step time > {SLOW_STEP_FACTOR:.2f} x median while a slowdown reason was reported"
                 ),
-                "host_cpu_pct_mean": _r(hw["host_cpu_pct"][0] / hw["host_cpu_pct"][1]) if hw["host_cpu_pct"][1] else None,
-                "rss_mib_max": _r(a("rss_mib").max),
+                "host_cpu_pct_mean": rounded(hw["host_cpu_pct"][0] / hw["host_cpu_pct"][1]) if hw["host_cpu_pct"][1] else None,
+                "rss_mib_max": rounded(run.agg("rss_mib").max),
                 "workers_max": self._workers_max,
                 "workers_cpu_pct_mean": (
-                    _r(hw["workers_cpu_pct"][0] / hw["workers_cpu_pct"][1]) if hw["workers_cpu_pct"][1] else None
+                    rounded(hw["workers_cpu_pct"][0] / hw["workers_cpu_pct"][1]) if hw["workers_cpu_pct"][1] else None
                 ),
                 "monitor_samples": run.samples,
                 "monitor_sample_interval_s": self.interval_s,
                 "monitor_wall_s": round(time.perf_counter() - self._run_t0, 3),
-                "monitor_setup_s": round(self.setup_s, 4),
-                "monitor_sampler_cpu_s": round(self.sampler_cpu_s, 4),
-                "monitor_sampler_wall_s": round(self.sampler_wall_s, 4),
-                "monitor_collect_s": round(self.collect_s, 4),
-                "monitor_overhead_s": round(self.sampler_cpu_s + self.collect_s, 4),
+                # the monitor's own costs, to 4 significant figures: microseconds stay > 0
+                "monitor_setup_s": rounded_sig(self.setup_s),
+                "monitor_sampler_cpu_s": rounded_sig(self.sampler_cpu_s),
+                "monitor_sampler_wall_s": rounded_sig(self.sampler_wall_s),
+                "monitor_collect_s": rounded_sig(self.collect_s),
+                "monitor_overhead_s": rounded_sig(self.sampler_cpu_s + self.collect_s),
             }
         return out
 

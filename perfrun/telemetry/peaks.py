@@ -15,7 +15,7 @@ import os
 import re
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from perfrun.atomic import atomic_write
+from perfrun.devices import synchronize
 
 # --- the datasheet table ----------------------------------------------------------------
 
@@ -105,16 +106,22 @@ def find_entry(device_name: str) -> PeakEntry | None:
     return None
 
 
+#: Where a device has no datasheet figure, how to get an MFU all the same.
+MEASURE_HINT = "for an MFU figure, run `perfrun gpu-check` to measure this machine's peak, then train with mfu.peak=measured"
+
+
 def datasheet_peak_tflops(device_name: str, dtype_name: str) -> tuple[float | None, str]:
-    """(dense datasheet TFLOPS, source) or (None, why there is none)."""
+    """(dense datasheet TFLOPS, source) or (None, why there is none and how to get an MFU
+    figure anyway: the note is what a run prints where its MFU would be)."""
     key = dtype_key(dtype_name)
     entry = find_entry(device_name)
     if entry is None:
-        return None, f"no datasheet entry for {device_name!r}"
+        return None, f"no datasheet entry for {device_name!r}; {MEASURE_HINT}"
     value = getattr(entry, key)
     if value is None:
         why = entry.note or f"the datasheet lists no {key} figure"
-        return None, f"no {key} datasheet figure for {entry.key}: {why}"
+        hint = "" if "mfu.peak=measured" in why else f"; {MEASURE_HINT}"
+        return None, f"no {key} datasheet figure for {entry.key}: {why}{hint}"
     return value, f"datasheet: {entry.source}"
 
 
@@ -169,18 +176,16 @@ class MatmulResult:
     inner: int
     dtype: str
     device: str
+    tflops_range: tuple[float, float] | None = None  # the slowest and the fastest repeat
+    interleaved_with: tuple[str, ...] = ()  # the dtypes whose repeats alternated with these
 
     def method(self) -> str:
         timer = "CUDA events" if self.device.startswith("cuda") else "perf_counter"
+        together = f", interleaved with {', '.join(self.interleaved_with)}" if self.interleaved_with else ""
         return (
             f"{self.size}x{self.size} {self.dtype} matmul, median of {self.repeats} repeats of "
-            f"{self.inner}, {timer}, after warm-up"
+            f"{self.inner}{together}, {timer}, after warm-up"
         )
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _time_once(fn: Any, device: torch.device, inner: int) -> float:
@@ -199,20 +204,23 @@ def _time_once(fn: Any, device: torch.device, inner: int) -> float:
     return time.perf_counter() - t0
 
 
-def time_op(fn: Any, device: torch.device, *, repeats: int, warmup_s: float, target_s: float) -> tuple[float, int]:
-    """(median seconds per call, calls per repeat) for ``fn`` on ``device``.
-
-    Warm-up runs ``fn`` for at least ``warmup_s`` (clocks ramp, caches fill, cuBLAS picks
-    its kernel), then picks how many calls make one repeat last ``target_s`` so the
-    timer's resolution and launch gaps are negligible.
-    """
+def calibrate(fn: Any, device: torch.device, *, warmup_s: float, target_s: float) -> int:
+    """Warm ``fn`` up for at least ``warmup_s`` (clocks ramp, caches fill, cuBLAS picks its
+    kernel), then return how many calls make one timed repeat last ``target_s``, so that
+    the timer's resolution and launch gaps are negligible."""
     fn()
-    _sync(device)
+    synchronize(device)
     t_end = time.perf_counter() + warmup_s
     one = _time_once(fn, device, 1)
     while time.perf_counter() < t_end:
         one = _time_once(fn, device, 1)
-    inner = max(1, min(1000, round(target_s / max(one, 1e-7))))
+    return max(1, min(1000, round(target_s / max(one, 1e-7))))
+
+
+def time_op(fn: Any, device: torch.device, *, repeats: int, warmup_s: float, target_s: float) -> tuple[float, int]:
+    """(median seconds per call, calls per repeat) for ``fn`` on ``device``, after
+    :func:`calibrate`."""
+    inner = calibrate(fn, device, warmup_s=warmup_s, target_s=target_s)
     times = [_time_once(fn, device, inner) / inner for _ in range(max(1, repeats))]
     return statistics.median(times), inner
 
@@ -237,6 +245,69 @@ def _default_size(device: torch.device, dtype: torch.dtype) -> int:
     return n
 
 
+@dataclass
+class _Matmul:
+    """One square matmul ready to time: its operands live in the closure."""
+
+    fn: Callable[[], Any]
+    dtype: str
+    size: int
+    tf32: bool | None  # a CUDA fp32 matmul's forced TF32 setting (None: as it is)
+
+    def context(self) -> contextlib.AbstractContextManager[None]:
+        return tf32(self.tf32)
+
+
+def _matmul(device: torch.device, dtype: torch.dtype, size: int | None, allow_tf32: bool | None) -> _Matmul:
+    size = _default_size(device, dtype) if size is None else size
+    # generated on the device: an 8192² randn on the host takes seconds; the values don't matter
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
+    out = torch.empty(size, size, device=device, dtype=dtype)
+    cuda_fp32 = dtype == torch.float32 and device.type == "cuda"
+    op = _Matmul(lambda: torch.mm(a, b, out=out), dtype_key(dtype), size, allow_tf32 if cuda_fp32 else None)
+    if cuda_fp32:
+        with op.context():
+            op.dtype = "tf32" if tf32_enabled() else "fp32"
+    return op
+
+
+def measure_matmuls(
+    device: torch.device,
+    plans: list[tuple[torch.dtype, bool | None]],
+    *,
+    size: int | None = None,
+    repeats: int = 5,
+    warmup_s: float | None = None,
+    target_s: float | None = None,
+) -> list[MatmulResult]:
+    """Several square matmuls (dtype, forced TF32 or None), measured together: after each
+    one's warm-up, their timed repeats alternate, one of each in turn, so that a change in
+    the machine's load hits every dtype alike and the ratios between them hold. Each result
+    has its median and the range of its repeats."""
+    device = torch.device(device)
+    warmup_s = (0.3 if device.type == "cuda" else 0.1) if warmup_s is None else warmup_s
+    target_s = 0.05 if target_s is None else target_s
+    ops = [_matmul(device, dtype, size, tf) for dtype, tf in plans]
+    inners = []
+    for op in ops:
+        with op.context():
+            inners.append(calibrate(op.fn, device, warmup_s=warmup_s, target_s=target_s))
+    times: list[list[float]] = [[] for _ in ops]
+    for _ in range(max(1, repeats)):
+        for op, inner, per_call in zip(ops, inners, times, strict=True):
+            with op.context():
+                per_call.append(_time_once(op.fn, device, inner) / inner)
+    results = []
+    for op, inner, per_call in zip(ops, inners, times, strict=True):
+        tera = 2.0 * op.size**3 / 1e12
+        results.append(MatmulResult(
+            tera / statistics.median(per_call), op.size, repeats, inner, op.dtype, str(device),
+            (tera / max(per_call), tera / min(per_call)), tuple(o.dtype for o in ops if o is not op),
+        ))
+    return results
+
+
 def measure_matmul(
     device: torch.device,
     dtype: torch.dtype,
@@ -248,26 +319,9 @@ def measure_matmul(
     target_s: float | None = None,
 ) -> MatmulResult:
     """Measure a square matmul's throughput; see :func:`measure_matmul_tflops`."""
-    device = torch.device(device)
-    if size is None:
-        size = _default_size(device, dtype)
-    if warmup_s is None:
-        warmup_s = 0.3 if device.type == "cuda" else 0.1
-    if target_s is None:
-        target_s = 0.05
-    # generated on the device: an 8192² randn on the host takes seconds; the values don't matter
-    a = torch.randn(size, size, device=device).to(dtype)
-    b = torch.randn(size, size, device=device).to(dtype)
-    out = torch.empty(size, size, device=device, dtype=dtype)
-    name = dtype_key(dtype)
-    cuda_fp32 = dtype == torch.float32 and device.type == "cuda"
-    with tf32(allow_tf32) if cuda_fp32 else contextlib.nullcontext():
-        if cuda_fp32:
-            name = "tf32" if tf32_enabled() else "fp32"
-        sec, inner = time_op(
-            lambda: torch.mm(a, b, out=out), device, repeats=repeats, warmup_s=warmup_s, target_s=target_s
-        )
-    return MatmulResult(2.0 * size**3 / sec / 1e12, size, repeats, inner, name, str(device))
+    (result,) = measure_matmuls(device, [(dtype, allow_tf32)], size=size, repeats=repeats,
+                                warmup_s=warmup_s, target_s=target_s)
+    return result
 
 
 def measure_matmul_tflops(

@@ -1,0 +1,54 @@
+"""``perfrun gpu-check [--json] [--quick] [--device N]``: flags, so argparse (not Hydra)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+from rich.console import Console
+
+from perfrun.gpucheck.checks import evaluate
+from perfrun.gpucheck.gather import gather
+from perfrun.gpucheck.render import add_verdict, render, to_json
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="perfrun gpu-check",
+        description="Diagnose this machine (software, GPUs, host) and measure matmul and copy throughput. "
+        "Exit status 1 when a check fails; warnings do not fail.",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON document to stdout instead of the report")
+    p.add_argument("--device", type=int, default=None, metavar="N", help="check and measure only CUDA device N (torch's numbering)")
+    p.add_argument("--quick", action="store_true", help="smaller measurements and no torch.compile smoke test")
+    return p
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr(enabled: bool) -> Iterator[None]:
+    """With --json, stdout carries only the document: anything else printed goes to stderr."""
+    if not enabled:
+        yield
+        return
+    with contextlib.redirect_stdout(sys.stderr):
+        yield
+
+
+def main(argv: list[str] | None = None, *, nvml_module: Any = None) -> int:
+    """Gather, judge, print; the exit status is 1 when a check failed, 2 for a bad flag."""
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    if args.device is not None and args.device < 0:
+        print(f"perfrun gpu-check: --device {args.device} must be >= 0", file=sys.stderr)
+        return 2
+    with _stdout_to_stderr(args.json):
+        report = gather(args.device, quick=args.quick, nvml_module=nvml_module)
+        checks = evaluate(report)
+    add_verdict(report, checks)
+    if args.json:
+        sys.stdout.write(to_json(report))
+    else:
+        render(report, checks, Console())
+    return report["exit_code"]
