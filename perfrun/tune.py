@@ -126,10 +126,11 @@ def trials_table(result: TuneResult) -> Any:
     from perfrun.report.render import rich_table
 
     best = result.winner.tokens_per_s if result.winner else None
+    number = {id(r): i for i, r in enumerate(result.trials)}
     columns = [
         Column("best", "", lambda r: r is result.winner, text=lambda r: "★" if r is result.winner else "",
                justify="left"),
-        Column("trial", "#", lambda r: result.trials.index(r)),
+        Column("trial", "#", lambda r: number[id(r)]),
         Column("phase", "phase", lambda r: r.phase, justify="left"),
         Column("batch", "batch", lambda r: r.candidate.batch_size),
         Column("checkpointing", "checkpointing", lambda r: r.candidate.checkpointing, justify="left"),
