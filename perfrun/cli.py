@@ -252,14 +252,15 @@ def _launcher_problem(args: list[str]) -> str | None:
     return None
 
 
-def _failed_jobs(in_process: list[str]) -> list[str]:
-    """The sweep's failed jobs: those run in this process, or else those that the sweep
-    summary found on disk, which is where a launcher that runs each job in another process
-    (slurm, slurm_local) leaves them. The summary's list is emptied for the next run."""
-    from perfrun import sweep
+def _failed_jobs(in_process: list[str], sweep_dir: str | None) -> list[str]:
+    """The sweep's failed jobs: those run in this process, or else those that the jobs'
+    summary.json files in the sweep dir tell of, which is where a launcher that runs each
+    job in another process (slurm, slurm_local) leaves them."""
+    if in_process or sweep_dir is None:
+        return in_process
+    from perfrun.sweep import failed_jobs
 
-    on_disk, sweep.FAILED[:] = list(sweep.FAILED), []
-    return in_process or on_disk
+    return failed_jobs(Path(sweep_dir))
 
 
 def _unwritable(run_dir: Path) -> str | None:
@@ -363,6 +364,13 @@ def _run_app(args: list[str]) -> int:
             error(str(e))
             raise SystemExit(e.exit_code) from None  # a stop request ends the sweep too
 
+    sweep_dir = None
+    if _multirun(args):  # resolved once, here, so that the sweep's jobs can be read back from it
+        try:
+            sweep_dir = _hydra_dirs(args)[1]
+            args = [*args, f"hydra.sweep.dir={_quoted(sweep_dir)}"]
+        except Exception:  # noqa: BLE001 - a bad hydra.* override: Hydra reports it just below
+            sweep_dir = None
     saved = sys.argv
     sys.argv = ["perfrun"] + args
     _FAILED_JOBS.clear()
@@ -370,7 +378,7 @@ def _run_app(args: list[str]) -> int:
         app()
     finally:
         sys.argv = saved
-    _FAILED_JOBS[:] = _failed_jobs(list(_FAILED_JOBS))
+    _FAILED_JOBS[:] = _failed_jobs(list(_FAILED_JOBS), sweep_dir)
     if _FAILED_JOBS:
         error(f"{len(_FAILED_JOBS)} job(s) of the sweep failed: " + "; ".join(_FAILED_JOBS))
         return 1

@@ -1,10 +1,11 @@
 """The Hydra callback that summarises a multirun when it ends (``hydra.callbacks`` in
-conf/train.yaml).
+conf/train.yaml), and the sweep's failed jobs as its folder tells them.
 
-It only reads what the jobs wrote -- each job's summary.json -- through
-:func:`perfrun.report.write_sweep_summary`, so ``perfrun report SWEEP_DIR`` reproduces its
-table and files exactly, and a launcher that runs jobs elsewhere changes nothing. It never
-fails the sweep: a problem writing the summary is one warning line.
+Both only read what the jobs wrote -- each job's summary.json -- through
+:mod:`perfrun.report`, so ``perfrun report SWEEP_DIR`` reproduces the callback's table and
+files exactly, and a launcher that runs jobs elsewhere (SLURM, a process per job) changes
+nothing. The callback never fails the sweep: a problem writing the summary is one warning
+line.
 """
 
 from __future__ import annotations
@@ -15,17 +16,37 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-# The jobs of the last sweep that did not complete, as their summary.json (or its absence)
-# tells: "job N (overrides): reason". A launcher that runs each job in a process of its own
-# (hydra/launcher=slurm or slurm_local) leaves no other trace of a failed job in this process.
-FAILED: list[str] = []
+
+def failed_jobs(sweep_dir: Path) -> list[str]:
+    """The jobs under ``sweep_dir`` that did not complete, as their summary.json (or its
+    absence) tells: ``job N (overrides): reason``. Empty when the folder holds no job."""
+    from perfrun.report import ReportError, load
+
+    try:
+        report = load([sweep_dir])
+    except ReportError:
+        return []
+    return [f"job {r.job} ({' '.join(r.overrides)}): {r.reason or r.status}"
+            for r in report.rows if r.status != "completed"]
+
+
+def saves_no_checkpoints(config: DictConfig) -> bool:
+    """A sweep whose jobs save nothing to resume from (``checkpoint.at_end=false`` and no
+    periodic saves), as ``+sweep=ablation`` sets: it measures, it does not train for keeps."""
+    checkpoint = config.get("checkpoint")
+    return checkpoint is not None and not checkpoint.get("at_end", True) and not checkpoint.get("every_n_steps", 0)
 
 
 class SweepSummary(Callback):
     """On multirun end: sweep_summary.csv/.json/.png in the sweep dir and the table on the console."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        FAILED.clear()
+        if saves_no_checkpoints(config):
+            from rich.console import Console
+
+            Console(highlight=False, soft_wrap=True).print(
+                "sweep: the jobs save no checkpoints (checkpoint.at_end=false: a measurement); "
+                "add checkpoint.at_end=true to keep them", markup=False)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         from perfrun.console import warn
@@ -33,9 +54,7 @@ class SweepSummary(Callback):
 
         sweep_dir = Path(str(config.hydra.sweep.dir))
         try:
-            report = write_sweep_summary(sweep_dir)
-            FAILED[:] = [f"job {r.job} ({' '.join(r.overrides)}): {r.reason or r.status}"
-                         for r in report.rows if r.status != "completed"]
+            write_sweep_summary(sweep_dir)
         except ReportError as e:
             warn(f"no sweep summary: {e}")
         except Exception as e:  # noqa: BLE001 - the jobs' results are on disk; never lose them to a summary bug

@@ -1,15 +1,15 @@
-"""``perfrun tune [options] [overrides]``: the configuration with the highest tokens/s, measured.
+"""``perfrun tune [overrides] [tune.KEY=VALUE | flags]``: the configuration with the highest tokens/s, measured.
 
 Not the largest batch that fits: the fastest one. Each trial is a short run of the real
 trainer (:func:`perfrun.train.run`, progress off) in its own dir under the tune dir, and
-its figure is the median tokens/s over the steps after ``--warmup`` (so compile time and
+its figure is the median tokens/s over the steps after ``tune.warmup`` (so compile time and
 the first allocations stay out). The search is greedy, one knob at a time, so it costs a
 handful of trials rather than the grid:
 
-1. **batch**: checkpointing none, eager, the first ``--workers`` option; batch sizes
-   doubling from ``--start`` (or ``--batch-sizes``) until a trial fails (out of memory,
-   more than the data holds) or tokens/s has not grown by more than ``--min-gain`` for
-   ``--patience`` sizes in a row.
+1. **batch**: checkpointing none, eager, the first ``tune.workers`` option; batch sizes
+   doubling from ``tune.start`` (or ``tune.batch_sizes``) until a trial fails (out of memory,
+   more than the data holds) or tokens/s has not grown by more than ``tune.min_gain`` for
+   ``tune.patience`` sizes in a row.
 2. **checkpointing** (each other option): it recomputes activations, so at a batch that
    fits without it, it is slower. Its ladder starts at the first batch that failed in 1;
    if none failed, one trial at the best batch measures what it costs.
@@ -19,153 +19,42 @@ handful of trials rather than the grid:
 
 The winner is the fastest completed trial of all. Any searched key given on the command
 line (``dataloader.batch_size=16``, ``checkpointing=full``, ``compile=true``,
-``dataloader.num_workers=2``) is held fixed. :func:`search` takes the trial as a callable,
-so tests plant the figures.
+``dataloader.num_workers=2``) is held fixed. The trials measure: they save no checkpoints
+unless the command line asks (``checkpoint.at_end=true``, ``checkpoint.every_n_steps=N``).
+:func:`search` takes the trial as a callable, so tests plant the figures.
+
+The command is a Hydra app (conf/tune.yaml, keys typed by :mod:`perfrun.tune_config`):
+the tune dir is its run dir, with ``.hydra/`` and the trials' log lines in ``tune.log``.
 """
 
 from __future__ import annotations
 
-import argparse
-import os
+import json
+import logging
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from perfrun.tune_config import (
+    TuneConfig,
+    TuneError,
+    default_workers,
+    flags_to_overrides,
+    override_value,
+    register_tune_schema,
+)
+from perfrun.tune_search import Candidate, Space, TrialResult, TuneResult, search
 
 SEARCHED = ("dataloader.batch_size", "checkpointing", "compile", "dataloader.num_workers")
 TRIAL_KEYS = ("max_steps", "timing_warmup_steps", "log_every", "eval_every", "eval_batches", "progress",
               "monitor.every_n_steps")
-
-
-class TuneError(ValueError):
-    """Bad input to ``perfrun tune``: one line, exit 2."""
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One point of the search space."""
-
-    batch_size: int
-    checkpointing: str = "none"
-    compile: bool = False
-    num_workers: int = 0
-
-    def overrides(self) -> list[str]:
-        return [f"dataloader.batch_size={self.batch_size}", f"checkpointing={self.checkpointing}",
-                f"compile={str(self.compile).lower()}", f"dataloader.num_workers={self.num_workers}"]
-
-
-@dataclass
-class TrialResult:
-    """What one trial measured."""
-
-    candidate: Candidate
-    status: str  # completed | oom | failed
-    tokens_per_s: float | None = None
-    peak_mem_mib: float | None = None
-    step_time_ms: float | None = None
-    first_step_s: float | None = None
-    reason: str | None = None
-    run_dir: str | None = None
-    phase: str = ""
-    seconds: float | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.status == "completed" and self.tokens_per_s is not None
-
-
-@dataclass
-class Space:
-    """What to search and how long to climb."""
-
-    checkpointing: list[str] = field(default_factory=lambda: ["none", "full"])
-    compile: list[bool] = field(default_factory=lambda: [False, True])
-    num_workers: list[int] = field(default_factory=lambda: [0, default_workers()])
-    batch_sizes: list[int] | None = None  # an explicit ladder; None: doubling from start
-    start: int = 1
-    max_batch: int | None = None
-    patience: int = 1
-    min_gain: float = 0.02  # a bigger batch must beat the best by this fraction to count as progress
-
-
-@dataclass
-class TuneResult:
-    trials: list[TrialResult]
-    winner: TrialResult | None
-
-
-def default_workers() -> int:
-    """The worker count worth trying on this machine: half its cores, one to four."""
-    return min(4, max(1, (os.cpu_count() or 2) // 2))
-
-
-def search(
-    trial: Callable[[Candidate], TrialResult], space: Space,
-    on_trial: Callable[[TrialResult], None] = lambda r: None,
-) -> TuneResult:
-    """The greedy search of the module doc; each candidate is tried at most once."""
-    tried: dict[Candidate, TrialResult] = {}
-    order: list[TrialResult] = []
-
-    def measure(c: Candidate, phase: str) -> TrialResult:
-        if c not in tried:
-            r = trial(c)
-            r.phase = phase
-            tried[c] = r
-            order.append(r)
-            on_trial(r)
-        return tried[c]
-
-    def sizes(start: int) -> Iterator[int]:
-        if space.batch_sizes is not None:
-            yield from (b for b in sorted(set(space.batch_sizes)) if b >= start)
-            return
-        b = start
-        while space.max_batch is None or b <= space.max_batch:
-            yield b
-            b *= 2
-
-    def ladder(start: int, make: Callable[[int], Candidate], phase: str) -> tuple[TrialResult | None, int | None]:
-        best: TrialResult | None = None
-        misses = 0
-        for b in sizes(start):
-            r = measure(make(b), phase)
-            if not r.ok:
-                return best, b
-            gained = best is None or r.tokens_per_s > best.tokens_per_s * (1 + space.min_gain)  # type: ignore[operator]
-            if best is None or r.tokens_per_s > best.tokens_per_s:  # type: ignore[operator]
-                best = r
-            misses = 0 if gained else misses + 1
-            if misses >= space.patience:
-                break
-        return best, None
-
-    def leader() -> TrialResult | None:
-        done = [r for r in order if r.ok]
-        return max(done, key=lambda r: r.tokens_per_s) if done else None  # type: ignore[arg-type,return-value]
-
-    ck0 = "none" if "none" in space.checkpointing else space.checkpointing[0]
-    comp0 = False if False in space.compile else space.compile[0]
-    w0 = space.num_workers[0]
-    first = space.start if space.batch_sizes is None else min(space.batch_sizes)
-    best1, fail1 = ladder(first, lambda b: Candidate(b, ck0, comp0, w0), "batch")
-    for ck in (c for c in space.checkpointing if c != ck0):
-        if fail1 is not None:
-            ladder(fail1, lambda b, ck=ck: Candidate(b, ck, comp0, w0), "checkpointing")
-        elif best1 is not None:
-            measure(replace(best1.candidate, checkpointing=ck), "checkpointing")
-    for comp in (c for c in space.compile if c != comp0):
-        lead = leader()
-        if lead is not None:
-            base = lead.candidate
-            ladder(base.batch_size, lambda b, base=base, comp=comp: replace(base, batch_size=b, compile=comp), "compile")
-    for w in (w for w in space.num_workers if w != w0):
-        lead = leader()
-        if lead is not None:
-            measure(replace(lead.candidate, num_workers=w), "workers")
-    return TuneResult(order, leader())
+# A trial measures; it keeps no checkpoint unless the command line sets one of these keys.
+NO_CHECKPOINTS = {"checkpoint.at_end": "false", "checkpoint.every_n_steps": "0"}
+__all__ = ["Candidate", "Space", "TrialResult", "TuneError", "TuneResult", "default_workers", "main", "search"]
 
 
 # ------------------------------------------------------------------------------- real trials
@@ -174,21 +63,27 @@ def search(
 class TrainTrial:
     """``trial(candidate)``: a short run of the trainer in ``out_dir/N``; see the module doc."""
 
-    def __init__(self, overrides: Sequence[str], out_dir: Path, steps: int, warmup: int) -> None:
+    def __init__(self, overrides: Sequence[str], out_dir: Path, steps: int, warmup: int,
+                 no_checkpoints: Sequence[str] = ()) -> None:
         self.overrides = list(overrides)
         self.out_dir = out_dir
         self.settings = [f"max_steps={steps}", f"timing_warmup_steps={warmup}", f"log_every={steps}",
-                         "eval_every=0", "eval_batches=1", "progress=off", "monitor.every_n_steps=0"]
+                         "eval_every=0", "eval_batches=1", "progress=off", "monitor.every_n_steps=0",
+                         *no_checkpoints]
         self.count = 0
 
     def compose(self, candidate: Candidate) -> Any:
         from hydra import compose, initialize_config_dir
+        from hydra.core.global_hydra import GlobalHydra
 
         from perfrun.config import config_dir, register_configs
 
+        overrides = [*self.overrides, *candidate.overrides(), *self.settings]
+        if GlobalHydra.instance().is_initialized():  # inside the tune's Hydra app, which searches conf/
+            return compose("train", overrides=overrides)
         register_configs()
         with initialize_config_dir(config_dir=config_dir(), version_base="1.3", job_name="tune"):
-            return compose("train", overrides=[*self.overrides, *candidate.overrides(), *self.settings])
+            return compose("train", overrides=overrides)
 
     def __call__(self, candidate: Candidate) -> TrialResult:
         from perfrun.config import ConfigError
@@ -213,7 +108,7 @@ class TrainTrial:
             candidate, "completed" if tps is not None else "failed", tokens_per_s=tps,
             peak_mem_mib=s.get("peak_mem_mib"), step_time_ms=s.get("step_time_ms_median"),
             first_step_s=s.get("first_step_s"), run_dir=str(run_dir), seconds=time.perf_counter() - t0,
-            reason=None if tps is not None else "no steady step was timed; raise --steps above --warmup",
+            reason=None if tps is not None else "no steady step was timed; raise tune.steps (--steps) above tune.warmup",
         )
 
 
@@ -226,104 +121,104 @@ def command_line(winner: Candidate, overrides: Sequence[str]) -> str:
 
 
 def trials_table(result: TuneResult) -> Any:
-    from rich.table import Table
+    """Every trial, the winner starred, through the report's column specification."""
+    from perfrun.report.columns import Column
+    from perfrun.report.render import rich_table
 
-    t = Table(title="perfrun tune: trials", caption="★ highest tokens/s (median of the steady steps of each trial)",
-              caption_justify="left")
-    for name in ("", "#", "phase", "batch", "checkpointing", "compile", "workers", "status", "tok/s", "vs best",
-                 "peak MiB", "step ms", "first step s"):
-        t.add_column(name, justify="right" if name in ("#", "batch", "workers", "tok/s", "vs best", "peak MiB",
-                                                       "step ms", "first step s") else "left")
     best = result.winner.tokens_per_s if result.winner else None
-
-    def f(v: float | None, spec: str) -> str:
-        return "n/a" if v is None else format(v, spec)
-
-    for i, r in enumerate(result.trials):
-        c = r.candidate
-        win = r is result.winner
-        t.add_row("★" if win else "", str(i), r.phase, str(c.batch_size), c.checkpointing, str(c.compile).lower(),
-                  str(c.num_workers), r.status, f(r.tokens_per_s, ",.0f"),
-                  f(r.tokens_per_s / best if (r.tokens_per_s and best) else None, ".2f"),
-                  f(r.peak_mem_mib, ",.0f"), f(r.step_time_ms, ".1f"), f(r.first_step_s, ".2f"),
-                  style="bold green" if win else ("red" if not r.ok else None))
-    return t
+    number = {id(r): i for i, r in enumerate(result.trials)}
+    columns = [
+        Column("best", "", lambda r: r is result.winner, text=lambda r: "★" if r is result.winner else "",
+               justify="left"),
+        Column("trial", "#", lambda r: number[id(r)]),
+        Column("phase", "phase", lambda r: r.phase, justify="left"),
+        Column("batch", "batch", lambda r: r.candidate.batch_size),
+        Column("checkpointing", "checkpointing", lambda r: r.candidate.checkpointing, justify="left"),
+        Column("compile", "compile", lambda r: str(r.candidate.compile).lower(), justify="left"),
+        Column("workers", "workers", lambda r: r.candidate.num_workers),
+        Column("status", "status", lambda r: r.status, justify="left"),
+        Column("tokens_per_s", "tok/s", lambda r: r.tokens_per_s, ",.0f"),
+        Column("vs_best", "vs best", lambda r: r.tokens_per_s / best if (r.tokens_per_s and best) else None, ".2f"),
+        Column("peak_mem_mib", "peak MiB", lambda r: r.peak_mem_mib, ",.0f"),
+        Column("step_time_ms", "step ms", lambda r: r.step_time_ms, ".1f"),
+        Column("first_step_s", "first step s", lambda r: r.first_step_s, ".2f"),
+    ]
+    return rich_table(columns, result.trials, lambda r: "best" if r is result.winner else (None if r.ok else "bad"),
+                      title="perfrun tune: trials",
+                      caption="★ highest tokens/s (median of the steady steps of each trial)")
 
 
 # ------------------------------------------------------------------------------- command line
 
+# Hydra's own flags that only show something (help, the composed config, completion):
+# Hydra answers them, and no trial runs.
+INSPECT = ("-h", "--help", "--hydra-help", "--version", "-c", "--cfg", "-p", "--package", "--resolve",
+           "-i", "--info", "-sc", "--shell-completion")
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise TuneError(f"{message} (perfrun tune --help)")
+
+@dataclass
+class Plan:
+    """A tune checked before any trial: what the command line asked for, composed and validated."""
+
+    settings: TuneConfig
+    overrides: list[str]  # the trainer's, without the searched keys: the start of the line to paste
+    space: Space
+    steps: int
+    warmup: int
+    out: Path
+    no_checkpoints: list[str]  # what keeps the trials' checkpoints off ([] where the user asked for them)
+    trial: Callable[[Candidate], TrialResult]
 
 
-def _ints(text: str) -> list[int]:
+def _key(override: str) -> str:
+    return override.partition("=")[0].lstrip("+~")
+
+
+def _compose(args: list[str]) -> tuple[TuneConfig, Path]:
+    """conf/tune.yaml composed with ``args``: tune's settings and the tune dir (its
+    ``${now:...}`` read once, here); one line when it does not compose."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from perfrun.config import config_dir, register_configs
+    from perfrun.console import composition_error
+
+    register_configs()
+    register_tune_schema()
     try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of whole numbers") from None
-    if not values or min(values) < 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: give whole numbers >= 0, e.g. 0,2")
-    return values
+        with initialize_config_dir(config_dir=config_dir(), version_base="1.3", job_name="tune"):
+            cfg = compose("tune", overrides=args, return_hydra_config=True)
+            return OmegaConf.to_object(cfg.tune), Path(str(cfg.hydra.run.dir))  # type: ignore[return-value]
+    except Exception as e:  # noqa: BLE001 - every composition error is the user's input
+        raise TuneError(composition_error(e, "tune")) from None
 
 
-def _bools(text: str) -> list[bool]:
-    table = {"true": True, "false": False}
-    values = [v.strip().lower() for v in text.split(",") if v.strip()]
-    if not values or any(v not in table for v in values):
-        raise argparse.ArgumentTypeError(f"{text!r}: give false, true or false,true")
-    return [table[v] for v in values]
-
-
-def _names(text: str) -> list[str]:
+def _searched(tc: TuneConfig) -> Space:
+    """The options to search: tune's settings, or the default for each left null."""
     from perfrun.config import CHOICES
 
-    values = [v.strip() for v in text.split(",") if v.strip()]
-    allowed = CHOICES["checkpointing.name"]
-    if not values or any(v not in allowed for v in values):
-        raise argparse.ArgumentTypeError(f"{text!r}: choose from {', '.join(allowed)}")
-    return values
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = _Parser(
-        prog="perfrun tune",
-        description="Search micro-batch size x checkpointing x compile x DataLoader workers for the highest "
-                    "tokens/s, with short measured trials; ends with the override line to paste.",
-        epilog="examples:\n  perfrun tune model=gpt2\n  perfrun tune --quick device=cpu\n"
-               "  perfrun tune --batch-sizes 8,16,32 --compile false precision=bf16\n"
-               "Any searched key given as an override (dataloader.batch_size, checkpointing, compile,\n"
-               "dataloader.num_workers) is held fixed. Trials are kept under --out: perfrun report DIR.",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    for name in ("batch_sizes", "checkpointing", "compile", "workers"):
+        if getattr(tc, name) == []:
+            raise TuneError(f"tune.{name}=[] tries nothing; give at least one value, or null for the default")
+    bad = [c for c in tc.checkpointing or [] if c not in CHOICES["checkpointing.name"]]
+    if bad:
+        raise TuneError(f"tune.checkpointing: {bad[0]} is not an option; choose from "
+                        f"{', '.join(CHOICES['checkpointing.name'])}")
+    if tc.workers is not None and min(tc.workers) < 0:
+        raise TuneError(f"tune.workers={override_value(tc.workers)}: give whole numbers >= 0, e.g. [0,2]")
+    quick = tc.quick
+    return Space(
+        checkpointing=tc.checkpointing or (["none"] if quick else ["none", "full"]),
+        compile=tc.compile or ([False] if quick else [False, True]),
+        num_workers=tc.workers or ([0] if quick else [0, default_workers()]),
+        batch_sizes=tc.batch_sizes, start=tc.start, max_batch=tc.max_batch,
+        patience=tc.patience, min_gain=tc.min_gain,
     )
-    p.add_argument("overrides", nargs="*", help="configuration overrides, as for perfrun train")
-    p.add_argument("--quick", action="store_true",
-                   help="batch size only (no checkpointing, eager, no workers) and shorter trials")
-    p.add_argument("--steps", type=int, help="optimizer steps per trial (default 10; --quick 6)")
-    p.add_argument("--warmup", type=int, help="first steps of a trial kept out of its figure (default 3; --quick 2)")
-    p.add_argument("--batch-sizes", type=_ints, help="the batch sizes to climb, e.g. 4,8,16 (default: doubling)")
-    p.add_argument("--start", type=int, default=1, help="first batch size of the doubling ladder (default 1)")
-    p.add_argument("--max-batch", type=int, help="largest batch size to try")
-    p.add_argument("--checkpointing", type=_names, help="options to try (default none,full)")
-    p.add_argument("--compile", type=_bools, help="options to try (default false,true)")
-    p.add_argument("--workers", type=_ints, help=f"DataLoader workers to try (default 0,{default_workers()})")
-    p.add_argument("--patience", type=int, default=1, help="sizes without gain before a ladder stops (default 1)")
-    p.add_argument("--min-gain", type=float, default=0.02,
-                   help="relative tokens/s gain that counts as progress (default 0.02)")
-    p.add_argument("--out", help="where the trials go (default outputs/tune/DATE/TIME)")
-    return p
 
 
-def _space(args: argparse.Namespace, fixed: dict[str, str]) -> Space:
-    quick = args.quick
-    space = Space(
-        checkpointing=args.checkpointing or (["none"] if quick else ["none", "full"]),
-        compile=args.compile or ([False] if quick else [False, True]),
-        num_workers=args.workers or ([0] if quick else [0, default_workers()]),
-        batch_sizes=args.batch_sizes, start=args.start, max_batch=args.max_batch,
-        patience=args.patience, min_gain=args.min_gain,
-    )
+def _space(tc: TuneConfig, fixed: dict[str, str]) -> Space:
+    """The search space, with each searched key the command line gave held fixed."""
+    space = _searched(tc)
     if "dataloader.batch_size" in fixed:
         b = fixed["dataloader.batch_size"]
         if not b.isdigit() or int(b) < 1:
@@ -342,84 +237,49 @@ def _space(args: argparse.Namespace, fixed: dict[str, str]) -> Space:
             raise TuneError(f"dataloader.num_workers={w} must be a whole number >= 0")
         space.num_workers = [int(w)]
     if space.start < 1 or (space.max_batch is not None and space.max_batch < space.start):
-        raise TuneError(f"--start {space.start} and --max-batch {space.max_batch}: need 1 <= start <= max-batch")
+        raise TuneError(f"--start {space.start} and --max-batch {space.max_batch}: need 1 <= start <= max-batch "
+                        "(tune.start, tune.max_batch)")
     if space.batch_sizes is not None and min(space.batch_sizes) < 1:
-        raise TuneError("--batch-sizes: every batch size must be >= 1")
+        raise TuneError("--batch-sizes: every batch size must be >= 1 (tune.batch_sizes)")
     if space.patience < 1 or not space.min_gain >= 0:
-        raise TuneError("--patience must be >= 1 and --min-gain >= 0")
+        raise TuneError("--patience must be >= 1 and --min-gain >= 0 (tune.patience, tune.min_gain)")
     return space
 
 
-def main(argv: list[str], trial: Callable[[Candidate], TrialResult] | None = None) -> int:
-    """``perfrun tune``: 0 with a winner, 1 when every trial failed, 2 on bad input."""
-    from rich.console import Console
-
-    from perfrun.atomic import write_json
-    from perfrun.console import error as _error
-    from perfrun.console import wide_console
-
-    console = Console(highlight=False, soft_wrap=True)
+def _plan(args: list[str], trial: Callable[[Candidate], TrialResult] | None) -> Plan:
+    """Everything checked before the first trial, so that a mistake is one line and costs nothing."""
+    tc, out = _compose(args)
+    steps = tc.steps if tc.steps is not None else (6 if tc.quick else 10)
+    warmup = tc.warmup if tc.warmup is not None else (2 if tc.quick else 3)
+    if warmup < 0 or steps <= warmup:
+        raise TuneError(f"--steps {steps} must be more than --warmup {warmup} (tune.steps, tune.warmup: "
+                        "the steps timed are the rest)")
+    trainer = [a for a in args if not _key(a).startswith(("tune.", "hydra.", "hydra/"))]
+    fixed: dict[str, str] = {}
+    for o in trainer:
+        if _key(o) in TRIAL_KEYS:
+            raise TuneError(f"{o}: {_key(o)} is set by perfrun tune for its short trials; drop it "
+                            "(use --steps and --warmup for the trial length)")
+        if _key(o) in SEARCHED:
+            fixed[_key(o)] = o.partition("=")[2]
+    space = _space(tc, fixed)
+    overrides = [o for o in trainer if _key(o) not in SEARCHED]
+    given = {_key(o) for o in trainer}
+    no_checkpoints = [f"{k}={v}" for k, v in NO_CHECKPOINTS.items() if k not in given]
+    if trial is None:
+        trial = TrainTrial(overrides, out, steps, warmup, no_checkpoints)
+        _preflight(trial, space)
     try:
-        args = _parser().parse_intermixed_args(argv)
-        steps = args.steps if args.steps is not None else (6 if args.quick else 10)
-        warmup = args.warmup if args.warmup is not None else (2 if args.quick else 3)
-        if warmup < 0 or steps <= warmup:
-            raise TuneError(f"--steps {steps} must be more than --warmup {warmup} (the steps timed are the rest)")
-        overrides = list(args.overrides)
-        fixed: dict[str, str] = {}
-        for o in overrides:
-            key, _, value = o.partition("=")
-            key = key.lstrip("+~")
-            if key in TRIAL_KEYS:
-                raise TuneError(f"{o}: {key} is set by perfrun tune for its short trials; drop it "
-                                "(use --steps and --warmup for the trial length)")
-            if key in SEARCHED:
-                fixed[key] = value
-        space = _space(args, fixed)
-        overrides = [o for o in overrides if o.partition("=")[0].lstrip("+~") not in SEARCHED]
-        out = Path(args.out) if args.out else Path("outputs/tune") / time.strftime("%Y-%m-%d/%H-%M-%S")
-        if trial is None:
-            trial = TrainTrial(overrides, out, steps, warmup)
-            _preflight(trial, space)
-    except TuneError as e:
-        _error(f"tune: {e}")
-        return 2
-
-    def show(r: TrialResult) -> None:
-        c = r.candidate
-        what = (f"{r.tokens_per_s:,.0f} tok/s" if r.ok else f"{r.status}: {r.reason}")
-        console.print(f"trial {len(shown)}: [{r.phase}] {' '.join(c.overrides())} -> {what}", markup=False)
-        shown.append(r)
-
-    shown: list[TrialResult] = []
-    console.print(f"perfrun tune: {steps}-step trials ({warmup} warm-up) in {out}", markup=False)
-    result = search(trial, space, show)
-    table = trials_table(result)
-    wide_console([table]).print(table)
-    record: dict[str, Any] = {
-        "overrides": overrides, "space": asdict(space), "steps": steps, "warmup": warmup,
-        "trials": [{**asdict(r), "candidate": asdict(r.candidate)} for r in result.trials],
-        "winner": asdict(result.winner.candidate) if result.winner else None,
-        "command": command_line(result.winner.candidate, overrides) if result.winner else None,
-    }
-    try:
-        write_json(out / "tune_summary.json", record)
+        out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        _error(f"tune: cannot write {out / 'tune_summary.json'}: {e.strerror}")
-    if result.winner is None:
-        first = next((r.reason for r in result.trials if r.reason), "no trial ran")
-        _error(f"tune: every trial failed, so there is no winner; the first said: {first}")
-        return 1
-    w = result.winner
-    console.print(f"best: {w.tokens_per_s:,.0f} tok/s ({len(result.trials)} trials). Paste:", markup=False)
-    console.print(command_line(w.candidate, overrides), markup=False)
-    return 0
+        raise TuneError(f"the tune dir {out} cannot be created ({e.strerror}); choose another --out (hydra.run.dir)") from None
+    return Plan(tc, overrides, space, steps, warmup, out, no_checkpoints, trial)
 
 
 def _preflight(trial: TrainTrial, space: Space) -> None:
     """Compose and check the first candidate, so a bad override is one line before any trial."""
     from perfrun.config import ConfigError, validate
-    from perfrun.console import first_line
+    from perfrun.console import composition_error
     from perfrun.devices import resolve_device
 
     first = Candidate(space.batch_sizes[0] if space.batch_sizes else space.start, space.checkpointing[0],
@@ -431,10 +291,114 @@ def _preflight(trial: TrainTrial, space: Space) -> None:
     except ConfigError as e:
         raise TuneError(str(e)) from None
     except Exception as e:  # noqa: BLE001 - Hydra's composition errors are the user's overrides
-        try:
-            from perfrun.console import composition_error
+        raise TuneError(composition_error(e, "tune")) from None
 
-            message = composition_error(e, "tune")
-        except ImportError:
-            message = first_line(e, 10**6)
-        raise TuneError(message) from None
+
+def _tune(plan: Plan) -> int:
+    """The search of ``plan``: a line per trial, the table, tune_summary.json and the winner."""
+    from rich.console import Console
+
+    from perfrun.atomic import json_safe, write_json
+    from perfrun.console import error, wide_console
+
+    console = Console(highlight=False, soft_wrap=True, stderr=plan.settings.json)
+    shown: list[TrialResult] = []
+
+    def show(r: TrialResult) -> None:
+        what = (f"{r.tokens_per_s:,.0f} tok/s" if r.ok else f"{r.status}: {r.reason}")
+        console.print(f"trial {len(shown)}: [{r.phase}] {' '.join(r.candidate.overrides())} -> {what}", markup=False)
+        shown.append(r)
+
+    console.print(f"perfrun tune: {plan.steps}-step trials ({plan.warmup} warm-up) in {plan.out}", markup=False)
+    if len(plan.no_checkpoints) == len(NO_CHECKPOINTS):
+        console.print("perfrun tune: the trials save no checkpoints (they measure); add checkpoint.at_end=true "
+                      "to keep them", markup=False)
+    result = search(plan.trial, plan.space, show)
+    winner = result.winner
+    record: dict[str, Any] = {
+        "overrides": plan.overrides, "space": asdict(plan.space), "steps": plan.steps, "warmup": plan.warmup,
+        "trials": [{**asdict(r), "candidate": asdict(r.candidate)} for r in result.trials],
+        "winner": asdict(winner.candidate) if winner else None,
+        "command": command_line(winner.candidate, plan.overrides) if winner else None,
+        "dir": str(plan.out),
+    }
+    if plan.settings.json:
+        sys.stdout.write(json.dumps(json_safe(record), indent=2, default=str) + "\n")
+    else:
+        table = trials_table(result)
+        wide_console([table]).print(table)
+    try:
+        write_json(plan.out / "tune_summary.json", record)
+    except OSError as e:
+        error(f"tune: cannot write {plan.out / 'tune_summary.json'}: {e.strerror}")
+    if winner is None:
+        first = next((r.reason for r in result.trials if r.reason), "no trial ran")
+        error(f"tune: every trial failed, so there is no winner; the first said: {first}")
+        return 1
+    if not plan.settings.json:
+        console.print(f"best: {winner.tokens_per_s:,.0f} tok/s ({len(result.trials)} trials). Paste:", markup=False)
+        console.print(command_line(winner.candidate, plan.overrides), markup=False)
+    return 0
+
+
+@contextmanager
+def kept_logging() -> Iterator[None]:
+    """The root logger as it was: a Hydra app configures it for its job (a console handler,
+    a log file in the job's dir), which a caller in the same process should not inherit."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        yield
+    finally:
+        for h in root.handlers:
+            if h not in handlers:
+                h.close()
+        root.handlers[:], root.level = handlers, level
+
+
+def _run_app(args: list[str], plan: Plan | None) -> int:
+    """The Hydra app with ``args`` as its command line: the tune of ``plan`` in its run dir,
+    or (no plan) Hydra's answer to --help, --cfg and the like."""
+    import hydra
+
+    from perfrun.config import config_dir, register_configs
+
+    register_configs()
+    register_tune_schema()
+    codes: list[int] = []
+
+    @hydra.main(version_base="1.3", config_path=config_dir(), config_name="tune")
+    def app(cfg: Any) -> None:
+        if plan is not None:
+            codes.append(_tune(plan))
+
+    saved = sys.argv
+    sys.argv = ["perfrun tune", *args]
+    try:
+        with kept_logging():
+            app()
+    except SystemExit as e:  # Hydra's --help, or its own one-line refusal
+        return e.code if isinstance(e.code, int) else int(e.code is not None)
+    finally:
+        sys.argv = saved
+    return codes[0] if codes else 0
+
+
+def main(argv: list[str], trial: Callable[[Candidate], TrialResult] | None = None) -> int:
+    """``perfrun tune``: 0 with a winner, 1 when every trial failed, 2 on bad input."""
+    from perfrun.console import error
+
+    try:
+        args = flags_to_overrides(list(argv))
+        if any(a in INSPECT for a in args):
+            return _run_app(args, None)
+        for a in args:
+            if a in ("-m", "--multirun"):
+                raise TuneError(f"{a}: tune runs its trials itself, one after another; sweep with perfrun train -m")
+            if a.startswith("-"):
+                raise TuneError(f"unknown option {a}; perfrun tune --help lists tune's flags and keys")
+        plan = _plan(args, trial)
+    except TuneError as e:
+        error(f"tune: {e}")
+        return 2
+    return _run_app([*args, f"hydra.run.dir={override_value(str(plan.out))}"], plan)

@@ -1,19 +1,28 @@
 """perfrun report on run dirs written by hand (no training: fast): rows come from each
-summary.json, CSV/JSON/HTML agree with them, the ablation's ratios and loss-parity flag,
-bad paths get one line, and no matplotlib means one warning, not a crash."""
+summary.json, CSV/JSON/HTML agree with them, one column specification gives the same
+columns in every format, the ablation's ratios and loss-parity flag, bad paths get one
+line, and no matplotlib means one warning, not a crash. One test trains two tiny runs to
+show the effective value of a key one of them left at its default."""
 
 from __future__ import annotations
 
 import csv
+import html
 import io
 import json
+import re
 import sys
 from pathlib import Path
 
 import pytest
 
 from perfrun import report
+from perfrun.cli import train_main
+from perfrun.report.columns import ABLATION_COLUMNS, run_columns, shown
 from perfrun.sweep import SweepSummary
+from perfrun.tune import kept_logging
+
+from conftest import TINY_MODEL
 
 
 def make_job(
@@ -209,3 +218,83 @@ def test_a_baseline_with_knobs_on_is_called_out(tmp_path: Path) -> None:
     make_job(tmp_path / "1", ["+ablation=compile", "precision=bf16"])
     (a,) = report.load([tmp_path]).ablations
     assert any("not a baseline: precision=bf16" in n for n in a["notes"])
+
+
+def headers(report_: report.Report) -> dict[str, list[list[str]]]:
+    """Each table's column headings as each format writes them (the runs table first)."""
+    text = report.render_text(report_, width=300)
+    rich = [[h.strip() for h in line.split("┃")[1:-1]] for line in text.splitlines() if line.startswith("┃")]
+    page = report.to_html(report_, None)
+    htm = [[html.unescape(h) for h in re.findall(r"<th[^>]*>(.*?)</th>", t)] for t in page.split("<table>")[1:]]
+    md_lines = report.to_markdown(report_).splitlines()
+    md = [[h.strip() for h in md_lines[i].strip("|").split(" | ")] for i in range(len(md_lines) - 1)
+          if md_lines[i + 1].startswith("| ---")]
+    return {"rich": rich, "html": htm, "markdown": md, "csv": [next(csv.reader(io.StringIO(report.to_csv(report_))))]}
+
+
+def test_one_column_spec_gives_the_same_columns_in_every_format(tmp_path: Path) -> None:
+    make_ablation(tmp_path)
+    r = report.load([tmp_path])
+    runs = run_columns(r)
+    in_tables = [c.header for c in shown(runs, r.rows, tables=True)]
+    knobs = r.ablations[0]["knobs"]
+    ablation = [c.header for c in shown(ABLATION_COLUMNS, knobs, tables=True)]
+    found = headers(r)
+    for fmt in ("rich", "html", "markdown"):
+        assert found[fmt] == [in_tables, ablation], fmt
+    csv_names = found["csv"][0]
+    assert csv_names == [c.name for c in shown(runs, r.rows, tables=False)]
+    table_names = [c.name for c in shown(runs, r.rows, tables=True)]
+    assert [n for n in csv_names if n in table_names] == table_names  # the same columns, in the same order
+    assert set(csv_names) - set(table_names) == {"ablation", "reason"}  # the swept key, and why job 4 failed
+    # each cell is formatted once: the ablation's fp16 line reads the same in all three tables
+    fp16 = [c.cell(next(k for k in knobs if k["knob"] == "fp16")) for c in shown(ABLATION_COLUMNS, knobs, tables=True)]
+    assert fp16[3] == "2.00×" and fp16[-1] == "EXCEEDED"
+    assert "| " + " | ".join(fp16) + " |" in report.to_markdown(r)
+    opens = ["<td class='l'>" if h in ("knob", "status", "parity") else "<td>" for h in ablation]
+    assert "".join(f"{o}{html.escape(v)}</td>" for o, v in zip(opens, fp16, strict=True)) in report.to_html(r, None)
+
+
+def test_a_column_with_no_figure_in_any_row_is_left_out_of_every_format(tmp_path: Path) -> None:
+    make_sweep(tmp_path)
+    for job in ("0", "1", "2", "10"):  # a CPU sweep: no MFU anywhere
+        path = tmp_path / job / "summary.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), "mfu_median": None}))
+    r = report.load([tmp_path])
+    found = headers(r)
+    assert all("MFU %" not in found[fmt][0] for fmt in ("rich", "html", "markdown"))
+    assert "mfu" not in found["csv"][0] and "reason" in found["csv"][0]  # job 2 has a reason
+    assert "tok/s" in found["rich"][0] and "tokens_per_s" in found["csv"][0]
+    one = tmp_path / "1" / "summary.json"
+    one.write_text(json.dumps({**json.loads(one.read_text()), "mfu_median": 0.5}))
+    found = headers(report.load([tmp_path]))
+    assert all("MFU %" in found[fmt][0] for fmt in ("rich", "html", "markdown")) and "mfu" in found["csv"][0]
+
+
+def test_a_key_left_at_its_default_shows_its_effective_value(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, one_thread: None
+) -> None:
+    """Two ad-hoc runs: the first set seed to its default, the second chose checkpointing=full."""
+    quick = [*TINY_MODEL, "device=cpu", "progress=off", "monitor.every_n_steps=0", "eval_batches=1", "log_every=1"]
+    monkeypatch.chdir(tmp_path)
+    for name, extra in (("a", ["max_steps=2", "seed=1337"]), ("b", ["max_steps=3", "checkpointing=full"])):
+        with kept_logging():  # the Hydra app sets up the root logger for its run
+            assert train_main([*quick, *extra, f"hydra.run.dir={name}"]) == 0
+    r = report.load([tmp_path / "a", tmp_path / "b"])
+    # seed is 1337 in both (a typed it, b left it): not a key that varies
+    assert r.swept_keys == ["source", "max_steps", "checkpointing"]
+    a, b = r.rows
+    assert a.swept["checkpointing"] == "none" and b.swept["checkpointing"] == "full"  # the group's option
+    text = report.render_text(r, width=300)
+    assert "max_steps=2 checkpointing=none" in text and "—" not in text
+    assert next(csv.DictReader(io.StringIO(report.to_csv(r))))["checkpointing"] == "none"
+    # with neither Hydra's record of the choices nor the summary's config, the job's config.yaml
+    (tmp_path / "a" / ".hydra" / "hydra.yaml").unlink()
+    summary = json.loads((tmp_path / "a" / "summary.json").read_text())
+    del summary["config"]
+    (tmp_path / "a" / "summary.json").write_text(json.dumps(summary))
+    assert report.effective_value(tmp_path / "a", "checkpointing") == "none"
+    assert report.effective_value(tmp_path / "a", "model.n_embd") == "32"
+    assert report.effective_value(tmp_path / "a", "no.such.key") is None
+    (tmp_path / "a" / ".hydra" / "config.yaml").unlink()  # no record at all: nothing to show
+    assert report.load([tmp_path / "a", tmp_path / "b"]).rows[0].swept["checkpointing"] is None

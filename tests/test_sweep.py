@@ -1,14 +1,14 @@
 """Multirun sweeps end to end: a failed job (an invalid swept value, out of memory) does
-not stop the sweep, the sweep summary's rows are the jobs' summary.json, jobs in one
-process leave no state behind, ``perfrun report`` reproduces the callback's table, and
-the ablation preset composes the jobs it promises."""
+not stop the sweep, the sweep summary's rows are the jobs' summary.json, the failed jobs
+read back from the sweep's folder, jobs in one process leave no state behind, ``perfrun
+report`` reproduces the callback's table, and the ablation preset composes the jobs it
+promises, which save no checkpoints unless asked."""
 
 from __future__ import annotations
 
 import csv
 import io
 import json
-import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,6 +19,8 @@ from hydra import compose, initialize_config_dir
 from perfrun import report
 from perfrun.cli import train_main
 from perfrun.config import config_dir, register_configs
+from perfrun.sweep import failed_jobs
+from perfrun.tune import kept_logging
 
 from conftest import REPO, TINY_MODEL, run_cli
 
@@ -46,6 +48,8 @@ def test_sweep_with_a_bad_value_goes_on_and_report_reproduces_it(
             summary_key = "tokens_per_s_median" if key == "tokens_per_s" else key
             assert (float(row[key]) if row[key] else None) == job.get(summary_key)
     assert rows[0]["reason"] == jobs[0]["reason"] and [row["best"] for row in rows] == ["False", "True"]
+    # what a launcher running jobs elsewhere leaves: the failed jobs, read back from the folder
+    assert failed_jobs(sweep) == [f"job 0 ({' '.join(jobs[0]['overrides'])}): {jobs[0]['reason']}"]
     data = json.loads((sweep / report.SWEEP_JSON).read_text())
     assert data["swept_keys"] == ["dataloader.batch_size"] and data["best"] == "1"
     assert (sweep / report.SWEEP_PNG).read_bytes()[:4] == b"\x89PNG"
@@ -64,13 +68,44 @@ def test_sweep_with_a_bad_value_goes_on_and_report_reproduces_it(
 @pytest.fixture
 def restore_logging() -> Iterator[None]:
     """An in-process Hydra app configures the root logger (console and train.log handlers)."""
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    yield
-    for h in root.handlers:
-        if h not in handlers:
-            h.close()
-    root.handlers[:], root.level = handlers, level
+    with kept_logging():
+        yield
+
+
+def test_failed_jobs_are_read_from_the_sweep_folder(tmp_path: Path) -> None:
+    """Each job as a launcher in other processes leaves it: a summary, a cut one, none at all."""
+    (tmp_path / "0").mkdir()
+    (tmp_path / "0" / "summary.json").write_text(json.dumps({"status": "completed", "overrides": ["a=1"],
+                                                              "tokens_per_s_median": 10.0}))
+    (tmp_path / "1").mkdir()
+    (tmp_path / "1" / "summary.json").write_text(json.dumps({"status": "failed", "overrides": ["a=2"],
+                                                              "reason": "out of memory on cuda:0"}))
+    (tmp_path / "2" / ".hydra").mkdir(parents=True)  # killed before it wrote a summary
+    (tmp_path / "2" / ".hydra" / "overrides.yaml").write_text("- a=3\n")
+    (tmp_path / "3").mkdir()
+    (tmp_path / "3" / "summary.json").write_text('{"status": "comp')  # cut short
+    found = failed_jobs(tmp_path)
+    assert found[0] == "job 1 (a=2): out of memory on cuda:0"
+    assert found[1].startswith("job 2 (a=3): no summary.json") and found[2].startswith("job 3 (): summary.json")
+    assert len(found) == 3
+    assert failed_jobs(tmp_path / "nothing here") == [] and failed_jobs(tmp_path / "0") == []
+
+
+def test_ablation_jobs_save_no_checkpoints_and_say_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], restore_logging: None
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    sweep = tmp_path / "sweep"
+    assert train_main(["-m", "+sweep=ablation", "+ablation=baseline,cudnn_benchmark", *QUICK,
+                       f"hydra.sweep.dir={sweep}"]) == 0
+    out = capsys.readouterr().out
+    said = [line for line in out.splitlines() if "save no checkpoints" in line]
+    assert len(said) == 1 and "checkpoint.at_end=true" in said[0]
+    assert sorted(p.parent.name for p in sweep.glob("*/summary.json")) == ["0", "1"]
+    jobs = [json.loads((sweep / str(i) / "summary.json").read_text()) for i in range(2)]
+    assert all(j["status"] == "completed" and j["checkpoints"] == [] for j in jobs)
+    assert [p for p in sweep.rglob("*") if p.is_file() and "checkpoints" in p.parts] == []
+    assert "each knob against the baseline" in out and "cudnn_benchmark" in out  # the per-knob table
 
 
 def test_out_of_memory_job_does_not_stop_the_sweep_nor_leak(
@@ -127,3 +162,11 @@ def test_ablation_preset_composes_baseline_each_knob_and_all() -> None:
     assert changed["cudnn_benchmark"] == {"cudnn_benchmark"} and changed["dataloader"] == {"num_workers"}
     assert changed["all"] == set(base)  # every knob at once
     assert changed["baseline"] == set()
+    # the jobs (as the sweep composes them) measure: no checkpoint, at the end or on the way,
+    # unless the command line asks
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+        jobs = [compose("train", overrides=["+sweep=ablation", f"+ablation={c}"]) for c in choices]
+        asked = compose("train", overrides=["+sweep=ablation", "+ablation=bf16", "checkpoint.at_end=true"])
+        plain = compose("train", overrides=["+ablation=bf16"])  # a run outside the sweep keeps its checkpoint
+    assert all(not job.checkpoint.at_end and job.checkpoint.every_n_steps == 0 for job in jobs)
+    assert asked.checkpoint.at_end and plain.checkpoint.at_end

@@ -1,6 +1,8 @@
 """perfrun tune: with planted trials it picks the fastest configuration (not the largest
-batch), tries far fewer points than the grid, and prints the line to paste; one real quick
-tune on the CPU; bad input gets one line."""
+batch), tries far fewer points than the grid, and prints the line to paste; its tune.* keys
+and the flags that spell them run the same tune; --help lists them all; --json puts the
+result alone on stdout; real quick tunes on the CPU leave no checkpoint unless asked; bad
+input gets one line."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import pytest
 
 from perfrun import report, tune
 from perfrun.tune import Candidate, Space, TrialResult, search
+from perfrun.tune_config import FLAGS, TuneConfig, flags_to_overrides
 
 from conftest import TINY_MODEL
 
@@ -98,6 +101,15 @@ def test_a_searched_key_on_the_command_line_is_held_fixed(capsys: pytest.Capture
     (["--compile", "maybe"], "give false, true"),
     (["nosuchkey=1"], "nosuchkey"),
     (["dataloader.batch_size=auto"], "dataloader.batch_size=auto"),
+    (["tune.steps=abc"], "tune.steps=abc"),
+    (["tune.nope=1"], "tune.nope is not a key"),
+    (["tune.steps=2", "tune.warmup=3"], "must be more than --warmup"),
+    (["tune.workers=[-1]"], "give whole numbers >= 0"),
+    (["tune.checkpointing=[sometimes]"], "sometimes is not an option"),
+    (["tune.batch_sizes=[]"], "tries nothing"),
+    (["--steps"], "expected one argument"),
+    (["-m"], "sweep with perfrun train -m"),
+    (["--bogus"], "unknown option --bogus"),
 ])
 def test_bad_input_is_one_line(capsys: pytest.CaptureFixture[str], tmp_path: Path, args: list[str], words: str) -> None:
     assert tune.main([*args, "--out", str(tmp_path)]) == 2
@@ -111,6 +123,9 @@ def test_a_real_quick_tune_on_the_cpu(capsys: pytest.CaptureFixture[str], tmp_pa
                     "--out", str(out), *TINY_MODEL])  # overrides before and after the options
     text = capsys.readouterr().out
     assert rc == 0, text
+    said = [line for line in text.splitlines() if "save no checkpoints" in line]
+    assert len(said) == 1 and "checkpoint.at_end=true" in said[0]
+    assert [p for p in out.rglob("*") if p.is_file() and "checkpoints" in p.parts] == []  # a measurement
     saved = json.loads((out / "tune_summary.json").read_text())
     trials = saved["trials"]
     assert [t["candidate"]["batch_size"] for t in trials] == [2, 4] and all(t["status"] == "completed" for t in trials)
@@ -140,3 +155,64 @@ def test_a_crashing_trial_is_recorded_and_the_search_goes_on(
     assert rc == 0
     assert "failed: RuntimeError: inductor exploded" in out and "second line" not in out
     assert out.splitlines()[-1].endswith("dataloader.batch_size=4 checkpointing=none compile=false dataloader.num_workers=0")
+
+
+def test_keys_and_flags_spell_the_same_tune(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    flags = ["--batch-sizes", "4,8", "--checkpointing", "none,full", "--compile", "false", "--workers", "0,2",
+             "--steps", "7", "--warmup=2", "--patience", "2", "--min-gain", "0.1", "--start", "2", "--max-batch", "64"]
+    keys = ["tune.batch_sizes=[4,8]", "tune.checkpointing=[none,full]", "tune.compile=[false]", "tune.workers=[0,2]",
+            "tune.steps=7", "tune.warmup=2", "tune.patience=2", "tune.min_gain=0.1", "tune.start=2",
+            "tune.max_batch=64"]
+    assert flags_to_overrides([*flags, "model=gpt2", "--out", "a b"]) == [*keys, "model=gpt2", "hydra.run.dir='a b'"]
+    saved = []
+    for name, spelling in (("flags", flags), ("keys", keys)):
+        trial, _ = planted({c: model_tps(c) for c in GRID})
+        out = tmp_path / name
+        assert tune.main([*spelling, "model=gpt2", "--out", str(out)], trial=trial) == 0
+        saved.append({k: v for k, v in json.loads((out / "tune_summary.json").read_text()).items() if k != "dir"})
+        assert (out / ".hydra" / "config.yaml").is_file()  # the tune dir is the Hydra app's run dir
+    assert saved[0] == saved[1]
+    assert saved[0]["steps"] == 7 and saved[0]["warmup"] == 2 and saved[0]["space"]["batch_sizes"] == [4, 8]
+    assert saved[0]["space"]["num_workers"] == [0, 2] and saved[0]["space"]["min_gain"] == 0.1
+    assert saved[0]["overrides"] == ["model=gpt2"]
+
+
+def test_help_lists_every_key_and_flag_and_cfg_job_composes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert tune.main(["--help"]) == 0
+    text = capsys.readouterr().out
+    tree = text.split("\ntune:\n")[1]
+    for key in TuneConfig.__dataclass_fields__:
+        assert f"  {key}:" in tree, key
+    for flag, (key, _) in FLAGS.items():
+        assert flag in text and key.split("=")[0] in text, flag
+    assert "model:" in text and "precision: bf16, fp16, none" in text  # the trainer's keys and groups too
+    assert tune.main(["--cfg", "job", "--steps", "4", "model=gpt2"]) == 0
+    cfg = capsys.readouterr().out
+    assert "  steps: 4\n" in cfg and "n_layer: 12" in cfg
+    assert list(tmp_path.iterdir()) == []  # nothing ran, nothing was written
+
+
+def test_json_puts_the_result_alone_on_stdout(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trial, _ = planted({c: model_tps(c) for c in GRID})
+    assert tune.main(["--json", "--workers", "0,2", "--out", str(tmp_path), "model=gpt2"], trial=trial) == 0
+    out, err = capsys.readouterr()
+    result = json.loads(out)  # nothing else on stdout
+    assert result == json.loads((tmp_path / "tune_summary.json").read_text())
+    assert result["command"].endswith("dataloader.batch_size=32 checkpointing=full compile=true dataloader.num_workers=2")
+    assert result["winner"]["batch_size"] == 32 and result["dir"] == str(tmp_path)
+    assert "trial 0: [batch]" in err and "perfrun tune: trials" not in out + err  # the lines on stderr, no table
+    failing, _ = planted({})
+    assert tune.main(["--json", "--quick", "--out", str(tmp_path / "none")], trial=failing) == 1
+    out, err = capsys.readouterr()
+    assert json.loads(out)["winner"] is None and "every trial failed" in err
+
+
+def test_a_tune_keeps_its_checkpoints_when_asked(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    out = tmp_path / "tune"
+    assert tune.main(["device=cpu", "--quick", "--batch-sizes", "2", "--steps", "2", "--warmup", "1",
+                      "checkpoint.at_end=true", "--out", str(out), *TINY_MODEL]) == 0
+    assert "save no checkpoints" not in capsys.readouterr().out
+    assert len(list((out / "0" / "checkpoints").glob("*.pt"))) == 1

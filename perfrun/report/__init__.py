@@ -1,0 +1,38 @@
+"""Run, sweep and tune summaries: one table, a plot, CSV/JSON/HTML/Markdown, and the ablation.
+
+One source of truth: every row is read back from a job's ``summary.json`` (and, for loss
+parity, its ``metrics.jsonl``). The sweep callback (:mod:`perfrun.sweep`) and ``perfrun
+report`` both call :func:`load` and the same renderers, so the report of a sweep dir
+reproduces the table, CSV and JSON the sweep wrote, byte for byte.
+
+- :mod:`~perfrun.report.reading`: directories -> rows (:mod:`~perfrun.report.rows`)
+- :mod:`~perfrun.report.ablation`: each knob against the baseline, and loss parity
+- :mod:`~perfrun.report.columns`: each column defined once, for every format
+- :mod:`~perfrun.report.render`: rich, CSV, JSON, HTML and Markdown
+- :mod:`~perfrun.report.plot`: tokens/s against each swept key (matplotlib)
+- :mod:`~perfrun.report.sweep_summary`: the files a sweep leaves when it ends
+- :mod:`~perfrun.report.command`: ``perfrun report`` (argparse: it takes paths and flags)
+"""
+
+from perfrun.report.ablation import DEFAULT_LOSS_TOL, DEFAULT_LOSS_WINDOW, loss_parity, train_losses
+from perfrun.report.command import main
+from perfrun.report.plot import PLOT_HINT, plot_or_warn, plot_png
+from perfrun.report.reading import effective_value, job_dirs, load, read_row, swept_keys
+from perfrun.report.render import (
+    print_report,
+    render_text,
+    to_csv,
+    to_dict,
+    to_html,
+    to_json,
+    to_markdown,
+)
+from perfrun.report.rows import Report, ReportError, Row, override_key
+from perfrun.report.sweep_summary import SWEEP_CSV, SWEEP_JSON, SWEEP_PNG, write_sweep_summary
+
+__all__ = [
+    "DEFAULT_LOSS_TOL", "DEFAULT_LOSS_WINDOW", "PLOT_HINT", "SWEEP_CSV", "SWEEP_JSON", "SWEEP_PNG",
+    "Report", "ReportError", "Row", "effective_value", "job_dirs", "load", "loss_parity", "main",
+    "override_key", "plot_or_warn", "plot_png", "print_report", "read_row", "render_text", "swept_keys",
+    "to_csv", "to_dict", "to_html", "to_json", "to_markdown", "train_losses", "write_sweep_summary",
+]

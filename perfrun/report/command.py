@@ -1,0 +1,81 @@
+"""``perfrun report PATH... [--csv | --json | --markdown] [--html FILE] [--plot FILE]``:
+paths and flags, so argparse (not Hydra: there is no configuration to compose)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+from perfrun.atomic import atomic_write
+from perfrun.console import error
+from perfrun.report.ablation import DEFAULT_LOSS_TOL, DEFAULT_LOSS_WINDOW
+from perfrun.report.plot import plot_or_warn
+from perfrun.report.reading import load
+from perfrun.report.render import print_report, to_csv, to_html, to_json, to_markdown
+from perfrun.report.rows import ReportError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ReportError(f"{message} (perfrun report --help)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="perfrun report",
+        description="The table and plot of runs, sweeps and tunes after the fact (read from each job's summary.json).",
+        epilog="examples:\n  perfrun report outputs/multirun/2025-01-01/12-00-00\n"
+               "  perfrun report outputs/multirun/A outputs/multirun/B --html compare.html\n"
+               "  perfrun report outputs/multirun/A --csv > runs.csv\n"
+               "A key one run set and another left at its default shows the default's value, read\n"
+               "from that run's configuration; a column with no figure in any row is left out.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("paths", nargs="+", metavar="PATH", help="run, sweep or tune directories")
+    fmt = p.add_mutually_exclusive_group()
+    fmt.add_argument("--csv", action="store_true", help="print CSV to stdout instead of the table")
+    fmt.add_argument("--json", action="store_true", help="print JSON to stdout instead of the table")
+    fmt.add_argument("--markdown", action="store_true",
+                     help="print Markdown tables (machine named) to stdout, e.g. for a README")
+    p.add_argument("--html", metavar="FILE", help="also write a static HTML page (table and embedded plot)")
+    p.add_argument("--plot", metavar="FILE", help="also write the PNG plot of tokens/s against each swept key")
+    p.add_argument("--loss-tol", type=float, default=DEFAULT_LOSS_TOL,
+                   help=f"ablation loss parity: relative tolerance (default {DEFAULT_LOSS_TOL})")
+    p.add_argument("--loss-window", type=float, default=DEFAULT_LOSS_WINDOW,
+                   help=f"ablation loss parity: tail fraction of the logged steps averaged (default {DEFAULT_LOSS_WINDOW})")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    """``perfrun report``: 0 on success, 2 on a bad path or option (one line, no traceback)."""
+    try:
+        args = _parser().parse_intermixed_args(argv)
+        if not (args.loss_tol >= 0 and math.isfinite(args.loss_tol)):
+            raise ReportError(f"--loss-tol {args.loss_tol} must be a number >= 0, e.g. 0.02 for 2%")
+        if not 0 < args.loss_window <= 1:
+            raise ReportError(f"--loss-window {args.loss_window} must be in (0, 1], e.g. 0.2 for the last 20%")
+        report = load(args.paths, loss_tol=args.loss_tol, loss_window=args.loss_window)
+        png = None
+        if args.plot or args.html:
+            png = plot_or_warn(report)
+        if args.plot and png is not None:
+            atomic_write(Path(args.plot), png)
+        if args.html:
+            atomic_write(Path(args.html), to_html(report, png))
+    except ReportError as e:
+        error(f"report: {e}")
+        return 2
+    except OSError as e:
+        error(f"report: cannot write {e.filename}: {e.strerror}; choose a writable path")
+        return 2
+    if args.csv:
+        sys.stdout.write(to_csv(report))
+    elif args.json:
+        sys.stdout.write(to_json(report))
+    elif args.markdown:
+        sys.stdout.write(to_markdown(report))
+    else:
+        print_report(report)
+    return 0

@@ -1,0 +1,59 @@
+"""What a report is made of: one Row per job as its summary.json tells it, and the Report
+of one or several run, sweep or tune directories."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class ReportError(ValueError):
+    """A bad path or option: one line, exit 2."""
+
+
+@dataclass
+class Row:
+    """One job, as its summary.json tells it."""
+
+    job: str  # its dir relative to the sweep dir (prefixed by the root when several are given)
+    root: str  # the directory the user named, when several were given; "" for one
+    overrides: list[str]
+    status: str  # completed | failed | missing | unreadable | running (stopped without finishing)
+    reason: str | None
+    tokens_per_s: float | None  # median over the steady steps
+    mfu: float | None  # fraction of the peak
+    peak_mem_mib: float | None
+    data_wait_pct: float | None
+    final_train_loss: float | None
+    final_val_loss: float | None
+    first_step_s: float | None
+    peak_mem_source: str | None = None
+    device_name: str | None = None
+    software: str | None = None  # torch (and CUDA) versions the job ran with
+    knobs: dict[str, Any] = field(default_factory=dict)
+    swept: dict[str, str | None] = field(default_factory=dict)  # the swept keys' values
+    best: bool = False
+
+
+@dataclass
+class Report:
+    """Rows of one or several dirs, the keys that vary between them, and the best row."""
+
+    rows: list[Row]
+    swept_keys: list[str]
+    best: str | None  # job label of the highest tokens/s
+    ablations: list[dict[str, Any]] = field(default_factory=list)
+    paths: dict[str, Path] = field(default_factory=dict)  # job label -> job dir (not serialised)
+
+
+def override_key(override: str) -> tuple[str, str | None]:
+    """``+ablation=bf16`` -> (``ablation``, ``bf16``); ``~key`` -> (``key``, None)."""
+    key, sep, value = override.partition("=")
+    return key.lstrip("+~"), (value if sep else None)
+
+
+def finite(v: Any) -> bool:
+    """A real number that can be shown and compared (not None, a bool, NaN or infinite)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
