@@ -6,8 +6,8 @@ sharded folder's ``meta.pt``), a ``torch.distributed.checkpoint`` (DCP) folder's
 make what a checkpoint holds:
 
 - ``.pt`` files and every shard entry go through torch's weights-only unpickler (tensors,
-  numbers, strings, lists, dicts); a refusal names the file, never torch's advice to retry
-  with ``weights_only=False``.
+  numbers, strings, lists, dicts); a refusal names the file and the function or class it
+  names, not torch's advice to retry with ``weights_only=False``.
 - ``.metadata`` is read by :class:`MetadataUnpickler`, which admits only the names DCP's
   metadata pickles (its dataclasses, ``torch.Size``, dtypes, layouts, paths) and even those
   only as inert records: the real objects are then built here, field by field, from
@@ -68,18 +68,14 @@ def unreadable(file: Path, detail: str) -> UntrustedFileError:
 
 
 def weights_only_refusal(file: Path, e: pickle.UnpicklingError, entry: str = "") -> UntrustedFileError | None:
-    """torch's weights-only refusal as one line naming the file (and what it named, without
-    torch's advice to retry with ``weights_only=False``); None for any other unpickling
-    error (a corrupt file), which the caller reports as before."""
-    text = str(e)
-    if not text.startswith("Weights only load failed"):
+    """torch's weights-only loader refusing a name (a function or class to call) as one line
+    naming the file and that name, without torch's advice to retry with ``weights_only=False``.
+    None for any other unpickling error (a corrupt file), which the caller reports as such:
+    any code a pickle could run must first be named, so it ends here."""
+    name = _GLOBAL.search(str(e)) if str(e).startswith("Weights only load failed") else None
+    if name is None:
         return None
-    if name := _GLOBAL.search(text):
-        what = f"names {name.group(1)}"
-    else:  # torch's message: its advice, then what was refused, then a link to its docs
-        parts = [p for p in text.split("\n\n") if p.strip()]
-        what = f"is refused by torch's weights-only loader ({first_line(parts[1] if len(parts) > 2 else text, 120)})"
-    return refused(file, f"{f'its entry {entry}' if entry else 'it'} {what}")
+    return refused(file, f"{f'its entry {entry}' if entry else 'it'} names {name.group(1)}")
 
 
 def load_pt(file: Path) -> Any:

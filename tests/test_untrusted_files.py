@@ -210,7 +210,8 @@ def test_a_good_sharded_checkpoint_still_resumes_and_generates(good: dict[str, P
 
 def test_metadata_admits_only_dcp_classes_and_rebuilds_them(good: dict[str, Path], tmp_path: Path) -> None:
     """The restricted reading of a real ``.metadata`` equals plain pickle's; a shard name
-    that leaves the folder, and a shard that is a link, are refused naming ``.metadata``."""
+    that leaves the folder, and a shard that is a link, are refused naming ``.metadata``;
+    a ``.metadata`` cut short is reported as damaged."""
     real = good["folder"] / ".metadata"
     ours, theirs = safe_checkpoint.read_metadata(real), pickle.loads(real.read_bytes())
     assert ours.state_dict_metadata == theirs.state_dict_metadata and ours.planner_data == theirs.planner_data
@@ -223,6 +224,10 @@ def test_metadata_admits_only_dcp_classes_and_rebuilds_them(good: dict[str, Path
         (folder / ".metadata").write_bytes(pickle.dumps(metadata))
         with pytest.raises(safe_checkpoint.UntrustedFileError, match=f"{re.escape(str(folder / '.metadata'))} was not loaded: it names the shard file"):
             safe_checkpoint.verify_sharded(folder)
+    folder = Path(shutil.copytree(good["folder"], tmp_path / "cut"))
+    (folder / ".metadata").write_bytes(real.read_bytes()[:100])  # cut short: damaged, not hostile
+    with pytest.raises(safe_checkpoint.UntrustedFileError, match="is not a readable part of a perfrun checkpoint"):
+        safe_checkpoint.verify_sharded(folder)
     folder = Path(shutil.copytree(good["folder"], tmp_path / "linked"))
     (folder / SHARD).unlink()
     (folder / SHARD).symlink_to(good["folder"] / SHARD)
