@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from perfrun import __version__, distributed
+from perfrun import __version__, distributed, safe_checkpoint
 from perfrun.atomic import atomic_write, fsync_dir
 from perfrun.config import ConfigError
 from perfrun.console import first_line
@@ -184,7 +184,6 @@ def recover_interrupted_saves(folder: Path) -> None:
 def load_sharded_into(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
     """Read a sharded checkpoint into ``model`` (and ``optimizer``): FSDP on any number of
     ranks, DDP or one plain process alike (DCP reshards to whatever the model is now)."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -196,7 +195,7 @@ def load_sharded_into(path: Path, model: torch.nn.Module, optimizer: torch.optim
     with warnings.catch_warnings():  # DCP's "assuming the intent is to load in a single process"
         warnings.filterwarnings("ignore", message=".*load in a single process.*")
         try:
-            dcp.load(state, checkpoint_id=str(path))
+            safe_checkpoint.dcp_load(state, path)
         except (CheckpointException, OSError, RuntimeError) as e:
             reason = dcp_reason(e)
             raise ConfigError(f"resume={path}: its shards cannot be read ({type(reason).__name__}: {first_line(reason)}); every "
@@ -240,7 +239,9 @@ def load(path: Path) -> dict[str, Any]:
     if not sharded and not path.is_file():
         raise ConfigError(f"resume={path}: no such checkpoint file; give a step_*.pt file, a folder of them, or resume=auto")
     try:
-        ckpt = torch.load(path / META if sharded else path, map_location="cpu", weights_only=True)
+        ckpt = safe_checkpoint.load_pt(path / META if sharded else path)
+    except ConfigError:
+        raise
     except Exception as e:  # noqa: BLE001 - any unreadable file is the same user-facing problem
         raise ConfigError(
             f"resume={path} is not a readable perfrun checkpoint (truncated, corrupt or another kind of file: "
@@ -249,6 +250,7 @@ def load(path: Path) -> dict[str, Any]:
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT or ("model" not in ckpt and not sharded):
         raise ConfigError(f"resume={path} is not a perfrun checkpoint (format {FORMAT}); pick a step_*.pt that perfrun wrote")
     if sharded:
+        safe_checkpoint.verify_sharded(path)
         ckpt["sharded_path"] = str(path)
     return ckpt
 
