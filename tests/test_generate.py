@@ -10,14 +10,18 @@ import torch
 
 from perfrun import checkpoint
 from perfrun.cli import main as cli_main
-from perfrun.generate import Sampler, encode, generate, load_model
+from perfrun.inference.generation import generate
+from perfrun.inference.loading import load_model
+from perfrun.inference.sampling import Sampler
 from perfrun.model import GPT, GPTConfig, KVCache
+from perfrun.tokenizers import load_tokenizer
 from perfrun.train import run
 
 from conftest import REPO, make_cfg
 
 # fp32 on both paths; they differ only in summation order (observed ~1e-7)
 KV_ATOL = 1e-5
+encode = load_tokenizer("byte").encode
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -139,13 +143,13 @@ def test_int8_val_loss_stays_within_5_percent_of_float(ckpt: Path) -> None:
     moves the loss far less than one more training step does. 5% is the bound: a broken
     quantisation (wrong scales, a lost tied head) moves it by tens of percent."""
     pytest.importorskip("torchao")
-    from perfrun.quantize import _val_dataset, quantize_int8, state_dict_bytes, val_loss
+    from perfrun.inference.int8 import quantize_int8, state_dict_bytes, val_dataset, val_loss
 
     flt, q = load_model(ckpt), load_model(ckpt)
     info = quantize_int8(q.model)
     assert info.layers == 4 * flt.model.config.n_layer and info.skipped == ["lm_head"]
     assert q.model.lm_head.weight is q.model.wte.weight  # the tie survives: the head stays float
-    val = _val_dataset(flt.config, flt.model.config.block_size)
+    val = val_dataset(flt.config, flt.model.config.block_size)
     a = val_loss(flt.model, val, batches=2, batch_size=4)
     b = val_loss(q.model, val, batches=2, batch_size=4)
     assert abs(b - a) / a < 0.05
