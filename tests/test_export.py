@@ -118,6 +118,8 @@ def test_transformers_loads_the_export(ckpt: Path, tmp_path: Path) -> None:
     (["format=onnx", "atol=0"], "atol=0.0 must be > 0"),
     (["format=onnx", "out=FOLDER"], "is a folder"),
     (["format=safetensors", "out=FILE"], "is a file"),
+    (["format=onnx", "opset=x"], "opset=x is not an integer"),
+    (["format=int8-report", "int8.val_batches=0"], "int8.val_batches=0 must be >= 1"),
 ])
 def test_bad_input_gets_one_line_and_exit_2(ckpt: Path, tmp_path: Path, args: list[str], says: str,
                                             capsys: pytest.CaptureFixture[str]) -> None:
@@ -132,3 +134,19 @@ def test_missing_checkpoint_is_one_line(tmp_path: Path, capsys: pytest.CaptureFi
     assert cli_main(["export", f"checkpoint={tmp_path / 'nope.pt'}", "format=onnx"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("perfrun: error:") and "no such file" in err and "\n" not in err
+
+
+def test_int8_report_from_export_and_from_python_m_perfrun_quantize(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("torchao")
+    from perfrun import quantize
+
+    assert quantize.main([f"checkpoint={ckpt}", "val_batches=1", "batch_size=2", "gen_tokens=4", "json=true"]) == 0
+    old = json.loads(capsys.readouterr().out)
+    assert cli_main(["export", f"checkpoint={ckpt}", "format=int8-report", "int8.val_batches=1", "int8.batch_size=2",
+                     "int8.gen_tokens=4", "int8.json=true"]) == 0
+    new = json.loads(capsys.readouterr().out)
+    block = load_model(ckpt).model.config.block_size
+    for report in (old, new):
+        assert report["int8_bytes"] < report["float_bytes"] and report["gen_tokens"] == 4
+        assert report["val_tokens"] == 2 * block and report["float_val_loss"] > 0
+    assert (old["float_val_loss"], old["int8_val_loss"]) == (new["float_val_loss"], new["int8_val_loss"])
