@@ -12,7 +12,9 @@ on CUDA, and on the CPU a small model with block_size 1024 and a byte-sized voca
 (``model=tiny model.block_size=1024 data.vocab_size=256``); any ``key=value`` given
 replaces those. Prompts are random token ids (seeded); decoding is greedy, so the paths
 must give identical tokens. Each path is timed ``--repeats`` times after its warm-up
-(compilation included, reported apart) and the median is shown.
+(compilation included, reported apart) and the median is shown. tokens/s is the
+steady-state decode rate (after each sequence's first token, all sequences counted); the
+time to the first token (the prompt's prefill, or its full forward) is shown apart.
 """
 
 from __future__ import annotations
@@ -66,7 +68,9 @@ def measure(loaded: Loaded, batch: int, prompt_len: int, new_tokens: int, path: 
     g = Generator(loaded.model, Sampler(0.0, None, loaded.vocab_size, 0), new_tokens, longest_prompt=prompt_len,
                   batch=batch, cache=cache, compile=compiled)
     runs = [g.run(prompts) for _ in range(repeats)]
-    return {"batch": batch, "prompt": prompt_len, "path": path, "tokens_per_s": statistics.median(r.tokens_per_s for r in runs),
+    return {"batch": batch, "prompt": prompt_len, "path": path,
+            "tokens_per_s": statistics.median(r.decode_tokens_per_s or 0.0 for r in runs),
+            "overall_tokens_per_s": statistics.median(r.tokens_per_s for r in runs),
             "first_token_ms": statistics.median(r.first_token_s for r in runs) * 1e3, "warmup_s": runs[0].warmup_s,
             "tokens": runs[0].sequences}
 
@@ -79,12 +83,14 @@ def table(cells: list[dict[str, Any]], paths: list[str]) -> list[str]:
     """A Markdown table: one row per (batch, prompt), tokens/s per path, the ratios, the warm-up."""
     head = ["batch", "prompt"] + [f"{p} tok/s" for p in paths]
     ratios = [(a, b) for a, b in (("cache", "off"), ("compile", "cache"), ("compile", "off")) if a in paths and b in paths]
-    head += [f"{a}/{b}" for a, b in ratios] + (["compile + warm-up s"] if "compile" in paths else []) + ["same tokens"]
+    head += [f"{a}/{b}" for a, b in ratios] + [f"first token ms ({'/'.join(paths)})"]
+    head += (["compile + warm-up s"] if "compile" in paths else []) + ["same tokens"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for key in dict.fromkeys((c["batch"], c["prompt"]) for c in cells):
         row = {c["path"]: c for c in cells if (c["batch"], c["prompt"]) == key}
         cols = [str(key[0]), str(key[1])] + [f"{row[p]['tokens_per_s']:,.1f}" for p in paths]
         cols += [f"{row[a]['tokens_per_s'] / row[b]['tokens_per_s']:.2f}x" for a, b in ratios]
+        cols.append(" / ".join(f"{row[p]['first_token_ms']:,.0f}" for p in paths))
         cols += [f"{row['compile']['warmup_s']:.1f}"] if "compile" in paths else []
         cols.append("yes" if same_tokens(row.values()) else "NO")
         lines.append("| " + " | ".join(cols) + " |")
@@ -121,7 +127,9 @@ def main() -> int:
                 continue
             for path in paths:
                 cells.append(measure(loaded, batch, prompt_len, args.new_tokens, path, args.repeats))
-                print(f"  batch {batch} prompt {prompt_len} {path}: {cells[-1]['tokens_per_s']:,.1f} tokens/s", flush=True)
+                cell = cells[-1]
+                print(f"  batch {batch} prompt {prompt_len} {path}: {cell['tokens_per_s']:,.1f} tokens/s after a first "
+                      f"token at {cell['first_token_ms']:,.1f} ms", flush=True)
     print("\n".join(table(cells, paths)))
     if args.json:
         args.json.write_text(json.dumps([{k: v for k, v in c.items() if k != "tokens"} for c in cells], indent=1) + "\n")

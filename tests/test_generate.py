@@ -243,6 +243,8 @@ def test_every_decode_step_has_the_same_shapes_and_storage(ckpt: Path, monkeypat
     assert gen.kv is not None and gen.kv.capacity == 7 + 12 - 1  # prompt + max_new_tokens - 1, under block_size
     assert [len(s) for s in g.sequences] == [12, 12]
     assert len(seen) == 11 and len(set(seen)) == 1  # one prefill, then 11 steps of identical shapes and storage
+    with pytest.raises(ValueError, match="longer than the longest_prompt"):  # it would not fit the cache
+        gen.run([encode("a prompt longer than seven tokens")])
 
 
 @pytest.fixture(scope="module")

@@ -177,6 +177,9 @@ class Generator:
         ids = [p[c:] for p, c in zip(prompts, cropped, strict=True)]
         ids += [ids[0]] * (self.batch - len(ids))
         lengths = [len(p) for p in ids]
+        if self.kv is not None and self.kv.capacity < cache_capacity(self.block, max(lengths), self.max_new_tokens):
+            raise ValueError(f"a prompt of {max(lengths)} tokens is longer than the longest_prompt this Generator's "
+                             f"cache was made for ({self.kv.capacity} positions)")
         ctx = torch.zeros(self.batch, max(lengths) + self.max_new_tokens, dtype=torch.long)
         for row, p in enumerate(ids):
             ctx[row, : len(p)] = torch.tensor(p)
@@ -190,7 +193,7 @@ class Generator:
         ctx, lengths, cropped = self._prepare(prompts)
         warmup_s = self._warm_up(ctx, lengths) if self.pending_warmup else 0.0
         self.pending_warmup = False
-        out, steps, refills, seconds, first = self._loop(ctx, lengths, on_token)
+        out, steps, refills, seconds, first = self._loop(ctx, lengths, len(prompts), on_token)
         rows = out[: len(prompts), :steps].tolist()
         stops = [r.index(self.eot_id) if self.eot_id in r else None for r in rows]
         return Generation(
@@ -200,12 +203,13 @@ class Generator:
             warmup_s=warmup_s, compiled=self.compiled,
         )
 
-    def _loop(self, ctx: torch.Tensor, lengths: list[int],
+    def _loop(self, ctx: torch.Tensor, lengths: list[int], rows: int,
               on_token: Callable[[int], None] | None) -> tuple[torch.Tensor, int, int, float, float]:
-        """The timed part; returns (tokens (B, steps), steps, cache refills, seconds, first-token seconds)."""
+        """The timed part (``rows`` real sequences, the rest padding); returns (tokens (B, steps),
+        steps, cache refills, seconds, first-token seconds)."""
         n_new, device = self.max_new_tokens, self.device
         out = torch.zeros(self.batch, n_new, dtype=torch.long, device=device)
-        done = torch.zeros(self.batch, dtype=torch.bool, device=device)
+        done = torch.arange(self.batch, device=device) >= rows  # padding never holds the loop up
         tok = torch.zeros(self.batch, 1, dtype=torch.long, device=device)
         pos = torch.tensor(lengths, device=device) - 1  # each sequence's last position
         lengths, refills, first, u = list(lengths), 0, 0.0, None
