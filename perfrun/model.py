@@ -34,12 +34,15 @@ def padded_vocab(vocab_size: int, multiple: int = 64) -> int:
 
 @dataclass
 class KVCache:
-    """Keys and values of the tokens seen so far, per layer, preallocated to block_size.
+    """Keys and values of the tokens seen so far, per layer, preallocated and written in place.
 
     Inference only (generation): the training forward never takes a cache, so its numerics
-    are untouched. ``length`` is how many positions are filled; the next tokens go at
-    positions ``length, length + 1, ...`` (learned absolute positions, so the cache can hold
-    at most ``block_size`` tokens: the caller re-fills it from a cropped context past that).
+    are untouched. ``capacity`` (at most block_size: positions are learned and absolute) is
+    the number of positions allocated, for the prompt plus the tokens to generate, so the
+    tensors never grow. :meth:`GPT.forward_cached` fills positions ``length, length + 1,
+    ...``; :meth:`GPT.decode_step` writes one token per sequence at the positions it is
+    given and attends over all ``capacity`` slots under a mask, so every decode step has
+    the same shapes (what a compiled step or a CUDA graph needs).
     """
 
     k: list[torch.Tensor]
@@ -47,10 +50,18 @@ class KVCache:
     length: int = 0
 
     @classmethod
-    def empty(cls, cfg: GPTConfig, batch: int, device: torch.device | str, dtype: torch.dtype) -> KVCache:
-        shape = (batch, cfg.n_head, cfg.block_size, cfg.n_embd // cfg.n_head)
+    def empty(cls, cfg: GPTConfig, batch: int, device: torch.device | str, dtype: torch.dtype,
+              capacity: int | None = None) -> KVCache:
+        capacity = cfg.block_size if capacity is None else capacity
+        if not 1 <= capacity <= cfg.block_size:
+            raise ValueError(f"KV cache capacity {capacity} must be in 1..block_size {cfg.block_size}")
+        shape = (batch, cfg.n_head, capacity, cfg.n_embd // cfg.n_head)
         return cls([torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)],
                    [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)])
+
+    @property
+    def capacity(self) -> int:
+        return self.k[0].size(2)
 
 
 class CausalSelfAttention(nn.Module):
@@ -106,6 +117,20 @@ class CausalSelfAttention(nn.Module):
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.c_proj(y)
 
+    def forward_decode(self, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
+                       mask: torch.Tensor) -> torch.Tensor:
+        """One new token per sequence (x: B, 1, C) at its own position ``pos`` (B,): its key
+        and value are scattered into the cache in place, and the query attends over every
+        slot under ``mask`` (B, 1, 1, capacity), so the shapes never depend on the step."""
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        index = pos.view(B, 1, 1, 1).expand(B, self.n_head, 1, C // self.n_head)
+        k_cache.scatter_(2, index, k)
+        v_cache.scatter_(2, index, v)
+        y = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask)
+        return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
+
 
 class MLP(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
@@ -133,6 +158,11 @@ class Block(nn.Module):
 
     def forward_cached(self, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int) -> torch.Tensor:
         x = x + self.attn.forward_cached(self.ln_1(x), k_cache, v_cache, start)
+        return x + self.mlp(self.ln_2(x))
+
+    def forward_decode(self, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
+                       mask: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn.forward_decode(self.ln_1(x), k_cache, v_cache, pos, mask)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -191,18 +221,33 @@ class GPT(nn.Module):
         return logits, loss
 
     @torch.no_grad()
-    def forward_cached(self, idx: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def forward_cached(self, idx: torch.Tensor, cache: KVCache, last: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of the new tokens ``idx`` (B, T), which follow the ``cache.length`` tokens
         already in ``cache``; the cache is extended in place. Inference only (no dropout,
-        no loss): generation feeds the prompt once, then one token per step."""
+        no loss): generation feeds the prompt once (the prefill), then one token per step.
+        ``last`` (B,): only each row's logits at that index, (B, V), and the head is not
+        computed for the other positions."""
         T = idx.size(1)
         start = cache.length
-        if start + T > self.config.block_size:
-            raise ValueError(f"KV cache overflow: {start} cached + {T} new > block_size {self.config.block_size}")
+        if start + T > cache.capacity:
+            raise ValueError(f"KV cache overflow: {start} cached + {T} new > capacity {cache.capacity}")
         pos = torch.arange(start, start + T, device=idx.device)
         x = self.wte(idx) + self.wpe(pos)
         for block, k, v in zip(self.blocks, cache.k, cache.v, strict=True):
             x = block.forward_cached(x, k, v, start)
         cache.length = start + T
+        if last is not None:
+            x = x[torch.arange(x.size(0), device=x.device), last]
         return self.lm_head(self.ln_f(x))
 
+    @torch.no_grad()
+    def decode_step(self, idx: torch.Tensor, pos: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Logits (B, V) of one new token per sequence, ``idx`` (B, 1) at positions ``pos``
+        (B,) (each sequence its own: prompts of other lengths). Positions stay on the device,
+        so stepping needs no host sync and the shapes are the same at every step."""
+        slots = torch.arange(cache.capacity, device=idx.device)
+        mask = (slots <= pos.unsqueeze(1)).view(idx.size(0), 1, 1, cache.capacity)
+        x = self.wte(idx) + self.wpe(pos).unsqueeze(1)
+        for block, k, v in zip(self.blocks, cache.k, cache.v, strict=True):
+            x = block.forward_decode(x, k, v, pos, mask)
+        return self.lm_head(self.ln_f(x))[:, -1]

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 
 # A small, fast model for every case that gets as far as building one.
 SMALL = ["model.n_layer=1", "model.n_head=2", "model.n_embd=32", "model.block_size=32",
@@ -62,6 +63,18 @@ CASES = [
     Case("unknown distributed mode", ("train", "distributed=zero3"), "distributed=zero3 is not an option"),
     Case("unknown compile scope", ("train", "compile_options.scope=layers"), "compile_options.scope=layers is not an option"),
     Case("unknown command", ("trian",), "unknown command 'trian'", small=False),
+    Case("seed too large for the random number generator",
+         ("generate", "checkpoint={d}/other_model.pt", "seed=18446744073709551616"),
+         "is outside what the random number generator takes", small=False),
+    Case("prompt file that is not UTF-8", ("generate", "checkpoint={d}/other_model.pt", "prompts_file={d}/latin1.txt"),
+         "line 1 is not valid UTF-8", small=False),
+    Case("max_new_tokens beyond its bound", ("generate", "checkpoint={d}/other_model.pt", "max_new_tokens=1000000000"),
+         "at most 100000", small=False),
+    Case("generate from weights that are not finite", ("generate", "checkpoint={d}/nan_weights.pt"),
+         "its weights are not finite", small=False),
+    Case("export of weights that are not finite",
+         ("export", "checkpoint={d}/nan_weights.pt", "format=safetensors", "out={d}/hf"),
+         "its weights are not finite", small=False),
 ]
 
 
@@ -77,3 +90,8 @@ def make_fixtures(d: Path, good_checkpoint: Path) -> None:
     raw = good_checkpoint.read_bytes()
     (d / "other_model.pt").write_bytes(raw)
     (d / "truncated.pt").write_bytes(raw[: len(raw) // 2])
+    (d / "latin1.txt").write_bytes("café au lait\n".encode("latin-1"))
+    state = torch.load(good_checkpoint, map_location="cpu", weights_only=True)
+    first = next(iter(state["model"]))
+    state["model"][first].view(-1)[0] = float("nan")  # a diverged run's checkpoint
+    torch.save(state, d / "nan_weights.pt")

@@ -10,15 +10,15 @@ import pytest
 import torch
 
 from perfrun import checkpoint
-from perfrun import export as export_mod
 from perfrun.cli import main as cli_main
-from perfrun.generate import load_model
+from perfrun.inference import hf_layout, onnx_export
+from perfrun.inference.loading import load_model
 from perfrun.model import GPT
 from perfrun.train import run
 
 from conftest import REPO, make_cfg
 
-ONNX_ATOL = export_mod.DEFAULT_ATOL  # fp32 logits in both runtimes; only summation order differs
+ONNX_ATOL = onnx_export.DEFAULT_ATOL  # fp32 logits in both runtimes; only summation order differs
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -57,7 +57,7 @@ def test_onnx_mismatch_writes_nothing_and_exits_1(ckpt: Path, tmp_path: Path, mo
     out = tmp_path / "m.onnx"
     out.write_bytes(b"the previous good export")
     monkeypatch.setattr(torch.onnx, "export", lambda *a, **k: Path(a[2]).write_bytes(b"half"))
-    monkeypatch.setattr(export_mod, "verify_onnx", lambda *a, **k: export_mod.OnnxCheck(0.5, ONNX_ATOL, [(1, 1)]))
+    monkeypatch.setattr(onnx_export, "verify_onnx", lambda *a, **k: onnx_export.OnnxCheck(0.5, ONNX_ATOL, [(1, 1)]))
     assert cli_main(["export", f"checkpoint={ckpt}", "format=onnx", f"out={out}"]) == 1
     assert "differ from PyTorch's by up to 0.5" in capsys.readouterr().err
     assert out.read_bytes() == b"the previous good export"
@@ -90,7 +90,7 @@ def test_safetensors_round_trip_in_the_hugging_face_layout(ckpt: Path, tmp_path:
     assert cfg["activation_function"] == "gelu_new" and cfg["tie_word_embeddings"] is True
     # back into perfrun: the same logits
     back = GPT(model.config).eval()
-    res = back.load_state_dict(export_mod.perfrun_state_dict(hf, c.n_layer), strict=False)
+    res = back.load_state_dict(hf_layout.perfrun_state_dict(hf, c.n_layer), strict=False)
     assert not res.missing_keys  # every perfrun weight came back (the zero biases are extra)
     assert back.lm_head.weight is back.wte.weight
     x = torch.randint(0, 256, (2, 9))
@@ -118,6 +118,8 @@ def test_transformers_loads_the_export(ckpt: Path, tmp_path: Path) -> None:
     (["format=onnx", "atol=0"], "atol=0.0 must be > 0"),
     (["format=onnx", "out=FOLDER"], "is a folder"),
     (["format=safetensors", "out=FILE"], "is a file"),
+    (["format=onnx", "opset=x"], "opset=x is not an integer"),
+    (["format=int8-report", "int8.val_batches=0"], "int8.val_batches=0 must be >= 1"),
 ])
 def test_bad_input_gets_one_line_and_exit_2(ckpt: Path, tmp_path: Path, args: list[str], says: str,
                                             capsys: pytest.CaptureFixture[str]) -> None:
@@ -132,3 +134,19 @@ def test_missing_checkpoint_is_one_line(tmp_path: Path, capsys: pytest.CaptureFi
     assert cli_main(["export", f"checkpoint={tmp_path / 'nope.pt'}", "format=onnx"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("perfrun: error:") and "no such file" in err and "\n" not in err
+
+
+def test_int8_report_from_export_and_from_python_m_perfrun_quantize(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("torchao")
+    from perfrun import quantize
+
+    assert quantize.main([f"checkpoint={ckpt}", "val_batches=1", "batch_size=2", "gen_tokens=4", "json=true"]) == 0
+    old = json.loads(capsys.readouterr().out)
+    assert cli_main(["export", f"checkpoint={ckpt}", "format=int8-report", "int8.val_batches=1", "int8.batch_size=2",
+                     "int8.gen_tokens=4", "int8.json=true"]) == 0
+    new = json.loads(capsys.readouterr().out)
+    block = load_model(ckpt).model.config.block_size
+    for report in (old, new):
+        assert report["int8_bytes"] < report["float_bytes"] and report["gen_tokens"] == 4
+        assert report["val_tokens"] == 2 * block and report["float_val_loss"] > 0
+    assert (old["float_val_loss"], old["int8_val_loss"]) == (new["float_val_loss"], new["int8_val_loss"])

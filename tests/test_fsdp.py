@@ -21,7 +21,7 @@ import torch
 
 from perfrun import checkpoint
 from perfrun.config import ConfigError
-from perfrun.generate import load_model
+from perfrun.inference.loading import load_model
 from perfrun.train import run
 
 from conftest import REPO, TINY_MODEL, losses, make_cfg, run_cli, torchrun
@@ -168,11 +168,12 @@ def test_a_step_in_both_layouts_resolves_to_the_newer(tmp_path: Path) -> None:
 
 
 def test_generate_and_export_read_a_sharded_checkpoint(fsdp_dir: Path, tmp_path: Path) -> None:
-    sharded = load_model(fsdp_dir, byte_level=True)  # a run folder: its newest checkpoint
+    sharded = load_model(fsdp_dir)  # a run folder: its newest checkpoint
+    assert sharded.tokenizer().name == "byte"  # byte-level: generate reads and writes its text
     assert sharded.step == 6 and sharded.path.name == "step_0000006"
     # the 2-rank sharded weights are the weights one process trains with the same global batch
     run(make_cfg(*COMMON, "dataloader.batch_size=4"), tmp_path)
-    plain = load_model(tmp_path / "checkpoints" / "step_0000006.pt", byte_level=True)
+    plain = load_model(tmp_path / "checkpoints" / "step_0000006.pt")
     a, b = sharded.model.state_dict(), plain.model.state_dict()
     assert a.keys() == b.keys()
     for name in a:

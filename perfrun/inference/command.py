@@ -1,0 +1,174 @@
+"""The commands that take a configuration besides ``train`` (``generate``, ``export``) as Hydra
+apps over a typed schema, so they share train's grammar: ``key=value`` overrides checked
+against a dataclass, ``--help`` listing every key with its help, ``--cfg job``, ``--info``,
+shell completion, and one line for a mistake.
+
+A plain run composes the configuration with Hydra's compose API and runs the job in this
+process (no run dir: these commands write only what they are asked to). Anything with a
+flag (``--help``, ``--cfg``, ``-sc``, ``-m``) goes to ``hydra.main``, as ``perfrun train``
+does. Two things are done to the words before Hydra sees them:
+
+- keys in ``raw_keys`` (``prompt=``) take their value literally: the text is quoted for
+  Hydra, so spaces, commas, quotes, ``=`` or ``${`` in a prompt stay what they are;
+- whole words in ``aliases`` are spellings kept from before (``--no-cache``, ``top_k=none``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import sys
+import textwrap
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from perfrun.config import config_dir
+from perfrun.console import composition_error, error
+
+KINDS = {int: "an integer", float: "a number", bool: "a boolean (true or false)"}
+EXAMPLES = {int: "1", float: "0.5", bool: "true"}
+
+
+def hydra_quoted(text: str) -> str:
+    """``text`` as a single-quoted Hydra value that composes back to exactly ``text``:
+    backslashes before a quote, before ``${`` or at the end are doubled, quotes and ``${``
+    escaped (so nothing is read as an interpolation)."""
+    text = re.sub(r"(\\*)\$\{", lambda m: m.group(1) * 2 + "\\${", text)
+    text = re.sub(r"(\\*)'", lambda m: m.group(1) * 2 + "\\'", text)
+    text = re.sub(r"(\\+)$", lambda m: m.group(1) * 2, text)
+    return f"'{text}'"
+
+
+def schema_fields(schema: type, prefix: str = "") -> list[tuple[str, Any, dataclasses.Field]]:
+    """(dotted key, type, field) of every leaf of a dataclass schema, nested ones flattened."""
+    hints = typing.get_type_hints(schema)
+    out: list[tuple[str, Any, dataclasses.Field]] = []
+    for f in dataclasses.fields(schema):
+        kind = hints[f.name]
+        if dataclasses.is_dataclass(kind):
+            out += schema_fields(kind, f"{prefix}{f.name}.")  # type: ignore[arg-type]
+        else:
+            out.append((prefix + f.name, kind, f))
+    return out
+
+
+def _plain_type(kind: Any) -> Any:
+    """``int | None`` -> int; anything else as it is."""
+    args = [a for a in typing.get_args(kind) if a is not type(None)]
+    return args[0] if len(args) == 1 else kind
+
+
+def _default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else None
+
+
+def _shown(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return repr(value) if isinstance(value, str) and (not value or value != value.strip() or "\n" in value) else str(value)
+
+
+def keys_help(schema: type, width: int = 100) -> str:
+    """Every key of ``schema`` with its help (the field's ``metadata["help"]``) and default,
+    for ``--help``. ``$`` is doubled: Hydra fills its help template with string.Template."""
+    fields = schema_fields(schema)
+    column = max(len(key) for key, _, _ in fields) + 3
+    lines = []
+    for key, _kind, f in fields:
+        text = f"{f.metadata.get('help', '')} [default: {_shown(_default(f))}]"
+        lines += textwrap.wrap(text, width, initial_indent=f"  {key:<{column - 3}} ", subsequent_indent=" " * column)
+    return "\n".join(lines).replace("$", "$$")
+
+
+@dataclass
+class HydraCommand:
+    """One configuration-taking command: its name (the command word and ``conf/NAME.yaml``),
+    its schema, and the job that runs a composed configuration and returns the exit code."""
+
+    name: str
+    schema: type
+    job: Callable[[Any], int]
+    raw_keys: tuple[str, ...] = ()
+    aliases: dict[str, str] = field(default_factory=dict)
+
+    def register(self) -> None:
+        from hydra.core.config_store import ConfigStore
+        from omegaconf import OmegaConf
+
+        ConfigStore.instance().store(name=f"{self.name}_schema", node=self.schema)
+        text = keys_help(self.schema)  # conf/NAME.yaml's help template reads it as ${perfrun_keys:}
+        OmegaConf.register_new_resolver("perfrun_keys", lambda: text, replace=True)
+
+    def words(self, argv: list[str]) -> list[str]:
+        """The command line as Hydra overrides: aliases replaced, raw values quoted."""
+        out = []
+        for word in argv:
+            word = self.aliases.get(word, word)
+            key, sep, value = word.partition("=")
+            out.append(f"{key}={hydra_quoted(value)}" if sep and key in self.raw_keys else word)
+        return out
+
+    def main(self, argv: list[str]) -> int:
+        """``perfrun NAME ARGS``: the job's exit code; 2 for a configuration that does not compose."""
+        self.register()
+        args = self.words(argv)
+        if any(a.startswith("-") for a in args):
+            return self._hydra_main(args)
+        from hydra import compose, initialize_config_dir
+
+        try:
+            with initialize_config_dir(config_dir=config_dir(), version_base="1.3", job_name=self.name):
+                cfg = compose(self.name, overrides=args)
+        except Exception as e:  # noqa: BLE001 - every composition error is the user's input
+            error(self.override_error(e))
+            return 2
+        return self.run(cfg)
+
+    def run(self, cfg: Any) -> int:
+        from omegaconf import OmegaConf
+
+        return self.job(OmegaConf.to_object(cfg))
+
+    def override_error(self, exc: BaseException) -> str:
+        """A value of the wrong type, said in the key's own terms; any other composition
+        error as :func:`perfrun.console.composition_error` words it."""
+        text = str(exc).strip()
+        if text.startswith("Error merging override") and exc.__cause__ is not None:
+            key, _, value = text.removeprefix("Error merging override").strip().partition("=")
+            kinds = {k: (_plain_type(t), f) for k, t, f in schema_fields(self.schema)}
+            kind, f = kinds.get(key, (None, None))
+            if kind in KINDS and f is not None:
+                example = _default(f)
+                example = EXAMPLES[kind] if example is None else _shown(example)
+                return f"{key}={value} is not {KINDS[kind]}; write e.g. {key}={example}"
+        return composition_error(exc, self.name)
+
+    def _hydra_main(self, args: list[str]) -> int:
+        """Hydra's own handling of the flags; a job it runs (``-m``) runs as a plain one does."""
+        import hydra
+
+        codes: list[int] = []
+
+        @hydra.main(version_base="1.3", config_path=config_dir(), config_name=self.name)
+        def app(cfg: Any) -> None:
+            codes.append(self.run(cfg))
+
+        line = os.environ.get("COMP_LINE")
+        if line is not None and any(a.startswith("query=") for a in args):  # Hydra completes the words after the program
+            os.environ["COMP_LINE"] = line.replace(f" {self.name}", "", 1)
+        saved = sys.argv
+        sys.argv = ["perfrun", *args]
+        try:
+            app()
+        except SystemExit as e:  # Hydra's own errors exit; the exit code is the answer
+            return e.code if isinstance(e.code, int) else 1
+        finally:
+            sys.argv = saved
+        return max(codes, default=0)

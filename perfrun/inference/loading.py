@@ -1,0 +1,137 @@
+"""A checkpoint into a model ready for inference: found, loaded, checked, rebuilt.
+
+Loading goes through :mod:`perfrun.checkpoint` (its ``load`` and ``load_model_weights``),
+which decides what a file may contain; this module only rebuilds the GPT that the
+checkpoint describes, checks that its weights are finite (a run that diverged leaves
+NaN weights that would sample garbage without a word), and knows the checkpoint's
+tokenizer: ``data.tokenizer`` in its config, ``byte`` when the key is absent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from perfrun import checkpoint
+from perfrun.config import ConfigError
+from perfrun.console import first_line
+from perfrun.model import GPT, GPTConfig
+from perfrun.tokenizers import BYTE_VOCAB, Tokenizer, load_tokenizer
+
+BYTE_SOURCES = ("pysource", "text")  # data= sources whose tokens are bytes unless a tokenizer is named
+
+
+@dataclass
+class Loaded:
+    """A checkpoint's model, rebuilt in eval mode, and what inference needs to know of it."""
+
+    model: GPT
+    path: Path
+    step: int
+    vocab_size: int  # the real vocabulary: logits above it are padding, never sampled
+    config: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def data(self) -> dict[str, Any]:
+        return self.config.get("data", {}) or {}
+
+    @property
+    def tokenizer_spec(self) -> str:
+        return str(self.data.get("tokenizer") or "byte")
+
+    def tokenizer(self) -> Tokenizer:
+        """The tokenizer the model was trained with; refused with one line when its
+        vocabulary is not the model's (text could not be turned into its ids or back)."""
+        spec = self.tokenizer_spec
+        try:
+            tok = load_tokenizer(spec)
+        except ConfigError as e:
+            raise ConfigError(f"checkpoint={self.path} records data.tokenizer={spec}, which perfrun cannot load "
+                              f"here ({e})") from None
+        if tok.vocab_size != self.vocab_size or tok.vocab_size > self.model.config.vocab_size:
+            what = self.data.get("name", "?")
+            kind = "bytes" if spec == "byte" else f"the {tok.vocab_size} of tokenizer {spec}"
+            raise ConfigError(
+                f"checkpoint={self.path} was trained on data={what} with a vocabulary of {self.vocab_size} token ids, "
+                f"not {kind}; perfrun generate needs the model's own tokenizer (train with data=pysource or "
+                "data=text), or export it (perfrun export format=safetensors) and sample with that vocabulary's tokenizer"
+            )
+        return tok
+
+
+def resolve_checkpoint(spec: Path) -> Path:
+    """A step_*.pt file or sharded step_* folder, or a run folder / checkpoints folder (its newest checkpoint)."""
+    if checkpoint.is_sharded(spec):
+        return spec
+    if spec.is_dir():
+        found = checkpoint.list_checkpoints(spec) or checkpoint.list_checkpoints(spec / "checkpoints")
+        if not found:
+            raise ConfigError(f"checkpoint={spec}: the folder holds no step_*.pt checkpoint; give a "
+                              "checkpoint file or a run folder with a checkpoints/ folder")
+        return found[-1]
+    if not spec.is_file():
+        raise ConfigError(f"checkpoint={spec}: no such file; give a step_*.pt written by perfrun train "
+                          "(in <run dir>/checkpoints/) or a run folder")
+    return spec
+
+
+def real_vocab(config: dict[str, Any], padded: int) -> int:
+    """The vocabulary the model was trained on (the embedding holds it padded to 64)."""
+    data = config.get("data", {}) or {}
+    if data.get("name") in BYTE_SOURCES and str(data.get("tokenizer") or "byte") == "byte":
+        return BYTE_VOCAB
+    return int(data.get("vocab_size") or padded)
+
+
+def _as_checkpoint_error(e: ConfigError, path: Path) -> ConfigError:
+    """checkpoint.py words its errors for resume=; here the user typed checkpoint=."""
+    return ConfigError(str(e).replace(f"resume={path}", f"checkpoint={path}"))
+
+
+def _model_config(shape: dict[str, Any], config: dict[str, Any]) -> GPTConfig:
+    mcfg = config.get("model", {}) or {}
+    return GPTConfig(
+        vocab_size=int(shape["vocab_size"]), block_size=int(shape["block_size"]), n_layer=int(shape["n_layer"]),
+        n_head=int(shape["n_head"]), n_embd=int(shape["n_embd"]), dropout=0.0,
+        bias=bool(mcfg.get("bias", True)), attention=str(config.get("attention", "sdpa")),
+    )
+
+
+def check_finite(model: torch.nn.Module, path: Path) -> None:
+    """Refuse weights holding NaN or infinity, naming the first such tensor."""
+    for name, p in model.state_dict().items():
+        if p.is_floating_point() and not bool(torch.isfinite(p).all()):
+            raise ConfigError(
+                f"checkpoint={path}: its weights are not finite ({name} holds NaN or infinity), so the model "
+                "would only produce garbage; the run diverged before this step: pick an earlier checkpoint"
+            )
+
+
+def load_model(spec: Path, device: torch.device | str = "cpu") -> Loaded:
+    """Load on the CPU first (checkpoint.load), rebuild GPT from ``model_shape``, check the
+    weights, then move the model to ``device``."""
+    path = resolve_checkpoint(spec)
+    try:
+        ckpt = checkpoint.load(path)
+    except ConfigError as e:
+        raise _as_checkpoint_error(e, path) from None
+    shape = ckpt.get("model_shape") or {}
+    missing = [k for k in checkpoint.SHAPE_KEYS if k not in shape]
+    if missing:
+        raise ConfigError(f"checkpoint={path} has no model shape ({', '.join(missing)} missing); "
+                          "it was written by an older perfrun, retrain or pick a newer checkpoint")
+    config = ckpt.get("config") or {}
+    model = GPT(_model_config(shape, config))
+    try:
+        checkpoint.load_model_weights(ckpt, model)
+    except ConfigError as e:  # unreadable shards
+        raise _as_checkpoint_error(e, path) from None
+    except RuntimeError as e:
+        raise ConfigError(f"checkpoint={path}: its weights do not fit the model it describes ({first_line(e)}); "
+                          "the file is damaged or hand-edited, pick another checkpoint") from None
+    check_finite(model, path)
+    model.eval().to(device)
+    return Loaded(model, path, int(ckpt.get("step", 0)), real_vocab(config, int(shape["vocab_size"])), config)
