@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 
 from perfrun.config import ConfigError
-from perfrun.quantize import torchao_available
+from perfrun.inference.int8 import torchao_available
 
 RECIPES = ("tensorwise", "rowwise")
 MIN_CAPABILITY = (8, 9)
