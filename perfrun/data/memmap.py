@@ -27,10 +27,10 @@ from perfrun.data.windows import (
     Windows,
     check_splits,
     count,
+    data_tokenizer,
     resolve_path,
     split_stream,
 )
-from perfrun.tokenizers import load_tokenizer
 
 log = logging.getLogger("perfrun")
 
@@ -249,7 +249,7 @@ def _vocab_and_tokenizer(cfg: Any, meta: TokenMeta | None, folder: Path, shown: 
                               f"{meta.tokenizer}; drop data.tokenizer (it is read from the folder)")
         base = meta.vocab_size
     elif given:
-        tok = load_tokenizer(str(given))
+        tok = data_tokenizer(str(given))
         spec, origin, base = tok.name, f"data.tokenizer={given}", tok.vocab_size
     else:
         vocab = int(cfg.vocab_size) if cfg.vocab_size is not None else DEFAULT_VOCAB

@@ -28,6 +28,7 @@ from perfrun.data.windows import (
     Windows,
     check_splits,
     count,
+    data_tokenizer,
     resolve_path,
     split_stream,
 )
@@ -186,7 +187,7 @@ def text_bundle(cfg: Any, seq_len: int) -> DataBundle:
         val = TextBytes(names, sizes, start=n_train, n_tokens=n_val, seq_len=seq_len)
         desc = f"text: {count(n_train)} train bytes, {count(n_val)} val bytes from {files} (read in the DataLoader)"
         return DataBundle(train, val, BYTE_VOCAB, desc, tokenizer="byte")
-    tok = load_tokenizer(spec)
+    tok = data_tokenizer(spec)
     stream = TextStream(names, sizes)
     bpt = _bytes_per_token(stream, total, tok)
     train = TextTokens(stream, start=0, n_bytes=n_train, bytes_per_token=bpt, seq_len=seq_len, tokenizer=tok.name)

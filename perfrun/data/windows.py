@@ -13,6 +13,7 @@ import torch
 from torch.utils.data import Dataset
 
 from perfrun.config import ConfigError
+from perfrun.tokenizers import Tokenizer, load_tokenizer
 
 DEFAULT_VOCAB = 50257  # GPT-2's tokenizer
 
@@ -92,6 +93,14 @@ def resolve_path(path: Any, name: str) -> Path:
             f"data.path={path} does not exist{where}; check the spelling or give an absolute path"
         )
     return p
+
+
+def data_tokenizer(spec: str) -> Tokenizer:
+    """``data.tokenizer``, loaded; its one-line error names the key as the user wrote it."""
+    try:
+        return load_tokenizer(spec)
+    except ConfigError as e:
+        raise ConfigError(f"data.{e}" if str(e).startswith("tokenizer=") else str(e)) from None
 
 
 def split_stream(n: int, val_fraction: float) -> tuple[int, int]:
