@@ -116,6 +116,16 @@ def test_jsonl_documents_and_a_bad_line(tmp_path: Path, capfd: pytest.CaptureFix
     assert not (tmp_path / "out2").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["c", "out"]
 
 
+def test_a_jsonl_line_longer_than_a_piece(tmp_path: Path) -> None:
+    docs = [f"short {i}" for i in range(12)]
+    docs[5] = "long " * (PIECE_BYTES // 3)  # 1.7 MiB on one line
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    assert prepare(f"path={tmp_path / 'docs.jsonl'}", f"out={tmp_path / 'out'}", "workers=2") == 0
+    train, val = bins(tmp_path / "out")
+    assert train.astype(np.uint8).tobytes().decode() == "".join(d for k, d in enumerate(docs) if not is_val(k, 0.1))
+    assert val.astype(np.uint8).tobytes().decode() == docs[9]
+
+
 def test_one_document_is_split_as_a_stream(tmp_path: Path) -> None:
     text = (STDLIB / "textwrap.py").read_bytes()
     (tmp_path / "one.txt").write_bytes(text)

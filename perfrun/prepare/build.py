@@ -181,7 +181,7 @@ def _write(tmp: Path, tasks: list[corpus.Task], settings: corpus.Settings, worke
     columns = [TextColumn("prepare"), BarColumn(), DownloadColumn(), TokensPerSecond(), TimeElapsedColumn(),
                TextColumn("eta"), TimeRemainingColumn()]
     n_train = n_val = documents = not_utf8 = 0
-    total = sum(t.hi - t.lo for t in tasks)
+    total = sum(p.hi - p.lo for task in tasks for p in task)
     with (open(tmp / "train.bin", "wb") as train, open(tmp / "val.bin", "wb") as val,
           Progress(*columns, console=Console(stderr=True), disable=not progress, transient=True) as bar):
         job = bar.add_task("prepare", total=total, tokens=0)

@@ -2,11 +2,12 @@
 (run in the worker processes).
 
 Documents: a text file is one document, a ``.jsonl`` line one document (its ``text_field``).
-A task is a byte range of one file, at most PIECE_BYTES long: a whole small file, a piece
+A piece is a byte range of one file, at most PIECE_BYTES long: a whole small file, a part
 of a large one (cut after a newline between two non-spaces, where GPT-2's pre-tokenizer
 splits anyway, so the ids are those of the whole file), or a run of whole .jsonl lines.
-The cuts depend on the corpus alone, never on the number of workers, so any ``workers``
-gives the same files byte for byte.
+A task, what one worker does in one round trip, is a run of consecutive pieces of about
+PIECE_BYTES. The cuts depend on the corpus alone, never on the number of workers, so any
+``workers`` gives the same files byte for byte.
 
 The val split is by document: document ``k`` (in path order, then line order) goes to val
 when ``floor((k + 1) * f) > floor(k * f)``, i.e. every (1/f)-th document, spread evenly.
@@ -34,7 +35,7 @@ CLEAN_CUT = re.compile(rb"\S\n(?=\S)")  # a cut after this newline leaves GPT-2'
 
 
 @dataclass(frozen=True)
-class Task:
+class Piece:
     path: str
     lo: int  # byte range [lo, hi) of the file
     hi: int
@@ -44,13 +45,16 @@ class Task:
     ends_doc: bool  # a text file's last piece (a .jsonl range ends its documents itself)
 
 
+Task = tuple[Piece, ...]  # consecutive pieces, one round trip to a worker
+
+
 @dataclass
 class Encoded:
     train: np.ndarray
     val: np.ndarray
     bytes: int
     documents: int
-    not_utf8: bool  # some bytes were not UTF-8 (replaced by U+FFFD)
+    not_utf8: int  # pieces with bytes that are not UTF-8 (replaced by U+FFFD)
 
 
 @dataclass
@@ -90,47 +94,57 @@ def _cut(f: BinaryIO, lo: int, limit: int) -> int:
     return end
 
 
-def _text_tasks(path: Path, size: int, doc: int) -> list[Task]:
-    tasks, lo = [], 0
+def _text_pieces(path: Path, size: int, doc: int) -> list[Piece]:
+    pieces, lo = [], 0
     with open(path, "rb") as f:
         while lo < size:
             hi = size if size - lo <= PIECE_BYTES else _cut(f, lo, lo + PIECE_BYTES)
-            tasks.append(Task(str(path), lo, hi, False, doc, 1, hi == size))
+            pieces.append(Piece(str(path), lo, hi, False, doc, 1, hi == size))
             lo = hi
-    return tasks
+    return pieces
 
 
-def _jsonl_tasks(path: Path, size: int, doc: int) -> tuple[list[Task], int]:
+def _jsonl_pieces(path: Path, size: int, doc: int) -> tuple[list[Piece], int]:
     """Runs of whole lines of at most PIECE_BYTES (a longer line is a run of its own)."""
-    tasks, lo, line = [], 0, 1
+    pieces, lo, line = [], 0, 1
     with open(path, "rb") as f:
         while lo < size:
             f.seek(lo)
             block = f.read(PIECE_BYTES)
             end = block.rfind(b"\n") + 1 if lo + len(block) < size else len(block)
-            if end == 0:  # a line longer than PIECE_BYTES: read on to its end
-                rest = f.read()
-                nl = rest.find(b"\n")
-                end = len(block) + (nl + 1 if nl >= 0 else len(rest))
-                block += rest[: end - len(block)]
+            while end == 0:  # a line longer than PIECE_BYTES: read on to its end
+                more = f.read(PIECE_BYTES)
+                nl = more.find(b"\n")
+                block += more[: nl + 1] if nl >= 0 else more
+                if nl >= 0 or not more:
+                    end = len(block)
             lines = block[:end].count(b"\n") + (0 if block[:end].endswith(b"\n") else 1)
-            tasks.append(Task(str(path), lo, lo + end, True, doc, line, True))
+            pieces.append(Piece(str(path), lo, lo + end, True, doc, line, True))
             lo, doc, line = lo + end, doc + lines, line + lines
-    return tasks, doc
+    return pieces, doc
 
 
 def plan(files: list[tuple[Path, int]]) -> tuple[list[Task], int]:
-    """The tasks for the corpus's files (in order) and its number of documents."""
-    tasks: list[Task] = []
+    """The tasks for the corpus's files (in order: pieces of consecutive small files are
+    grouped up to PIECE_BYTES, so that a worker's round trip is worth its while) and the
+    corpus's number of documents."""
+    pieces: list[Piece] = []
     doc = 0
     for path, size in files:
         if path.suffix == ".jsonl":
-            more, doc = _jsonl_tasks(path, size, doc)
-            tasks += more
+            more, doc = _jsonl_pieces(path, size, doc)
+            pieces += more
         else:
-            tasks += _text_tasks(path, size, doc)
+            pieces += _text_pieces(path, size, doc)
             doc += 1
-    return tasks, doc
+    tasks: list[Task] = []
+    group: list[Piece] = []
+    for piece in pieces:
+        if group and sum(p.hi - p.lo for p in group) + piece.hi - piece.lo > PIECE_BYTES:
+            tasks.append(tuple(group))
+            group = []
+        group.append(piece)
+    return tasks + ([tuple(group)] if group else []), doc
 
 
 _settings: Settings | None = None
@@ -151,7 +165,7 @@ def _ids(text: str | bytes) -> list[int] | np.ndarray:
     return _tokenizer.encode(text)
 
 
-def _json_documents(task: Task, raw: bytes) -> list[tuple[int, str | bytes, bool]]:
+def _json_documents(piece: Piece, raw: bytes) -> list[tuple[int, str | bytes, bool]]:
     """(document index, text, True) for each non-blank line of a .jsonl range."""
     assert _settings is not None
     key = _settings.text_field
@@ -168,37 +182,46 @@ def _json_documents(task: Task, raw: bytes) -> list[tuple[int, str | bytes, bool
                 raise TypeError(f"its {key!r} is a {type(text).__name__}")
         except (ValueError, KeyError, TypeError, IndexError) as e:
             reason = f"no {key!r} key" if isinstance(e, KeyError) else str(e).splitlines()[0][:80]
-            raise ConfigError(f"path: line {task.line + k} of {task.path} is not a JSON object with a {key!r} "
+            raise ConfigError(f"path: line {piece.line + k} of {piece.path} is not a JSON object with a {key!r} "
                               f"string ({reason}); fix the line, or name the key with text_field=") from None
-        out.append((task.doc + k, text, True))
+        out.append((piece.doc + k, text, True))
     return out
+
+
+def _read(piece: Piece) -> tuple[list[tuple[int, str | bytes, bool]], bool]:
+    """The piece's documents as (index, text, ends the document), and whether some of its
+    bytes were not UTF-8. The byte tokenizer takes the bytes as they are, undecoded."""
+    assert _tokenizer is not None
+    with open(piece.path, "rb") as f:
+        f.seek(piece.lo)
+        raw = f.read(piece.hi - piece.lo)
+    if piece.jsonl:
+        return _json_documents(piece, raw), False
+    if _tokenizer.name == "byte":
+        return [(piece.doc, raw, piece.ends_doc)], False
+    try:
+        return [(piece.doc, raw.decode("utf-8"), piece.ends_doc)], False
+    except UnicodeDecodeError:
+        return [(piece.doc, raw.decode("utf-8", errors="replace"), piece.ends_doc)], True
 
 
 def encode(task: Task) -> Encoded:
     """Read and tokenise one task; its documents' ids (each document followed by the
     end-of-text id) go to train or val."""
     assert _settings is not None and _tokenizer is not None
-    with open(task.path, "rb") as f:
-        f.seek(task.lo)
-        raw = f.read(task.hi - task.lo)
-    not_utf8 = False
-    if task.jsonl:
-        documents = _json_documents(task, raw)
-    else:
-        body: str | bytes = raw
-        if _tokenizer.name != "byte":
-            try:
-                body = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                body, not_utf8 = raw.decode("utf-8", errors="replace"), True
-        documents = [(task.doc, body, task.ends_doc)]
     dtype = _settings.dtype
     eot = None if _tokenizer.eot_id is None else np.asarray([_tokenizer.eot_id], dtype=dtype)
     splits: dict[bool, list[np.ndarray]] = {False: [], True: []}
-    for doc, text, ends in documents:
-        ids = np.asarray(_ids(text), dtype=dtype)
-        splits[_settings.by_document and is_val(doc, _settings.val_fraction)] += [ids] + ([eot] if ends and eot is not None else [])
+    documents = not_utf8 = 0
+    for piece in task:
+        docs, bad = _read(piece)
+        not_utf8 += bad
+        for doc, text, ends in docs:
+            ids = np.asarray(_ids(text), dtype=dtype)
+            split = _settings.by_document and is_val(doc, _settings.val_fraction)
+            splits[split] += [ids] + ([eot] if ends and eot is not None else [])
+            documents += ends
     empty = np.empty(0, dtype=dtype)
     return Encoded(np.concatenate(splits[False]) if splits[False] else empty,
                    np.concatenate(splits[True]) if splits[True] else empty,
-                   len(raw), sum(1 for *_, ends in documents if ends), not_utf8)
+                   sum(p.hi - p.lo for p in task), documents, not_utf8)
