@@ -51,7 +51,7 @@ def _job(cfg: Any) -> None:
     if done.not_utf8:
         console.print(f"note: {done.not_utf8} piece(s) of the corpus held bytes that are not UTF-8; they were "
                       "replaced by U+FFFD before tokenising")
-    console.print(
+    Console(highlight=False, soft_wrap=True).print(
         f"wrote {done.out}: {m.train_tokens:,} train + {m.val_tokens:,} val tokens ({m.dtype}, vocab {m.vocab_size}, "
         f"tokenizer {m.tokenizer}, split by {m.split}) from {m.documents:,} documents in {done.files:,} files "
         f"({done.bytes / 2**20:,.1f} MiB) in {done.seconds:.1f} s: {done.tokens_per_s:,.0f} tokens/s with "

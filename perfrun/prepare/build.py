@@ -182,8 +182,9 @@ def _write(tmp: Path, tasks: list[corpus.Task], settings: corpus.Settings, worke
                TextColumn("eta"), TimeRemainingColumn()]
     n_train = n_val = documents = not_utf8 = 0
     total = sum(p.hi - p.lo for task in tasks for p in task)
+    console = Console(stderr=True)
     with (open(tmp / "train.bin", "wb") as train, open(tmp / "val.bin", "wb") as val,
-          Progress(*columns, console=Console(stderr=True), disable=not progress, transient=True) as bar):
+          Progress(*columns, console=console, disable=not (progress and console.is_terminal), transient=True) as bar):
         job = bar.add_task("prepare", total=total, tokens=0)
         for enc in _encoded(tasks, settings, workers):
             train.write(enc.train.tobytes())
