@@ -37,11 +37,11 @@ from rich.progress import (
 )
 from rich.text import Text
 
+import perfrun.prepare.corpus as corpus
 from perfrun.atomic import fsync_dir
 from perfrun.config import ConfigError
 from perfrun.data.files import corpus_files
 from perfrun.data.meta import META_NAME, TokenMeta, dtype_for, read_meta, write_meta
-from perfrun.prepare import corpus
 from perfrun.prepare.schema import validate
 from perfrun.tokenizers import EOT_NAMES, Tokenizer, load_tokenizer
 
