@@ -24,10 +24,11 @@ COMMANDS = {
     "tune": "search batch size, checkpointing, compile and workers for the highest tokens/s",
     "generate": "sample text from a checkpoint with a KV cache, and measure what the cache buys",
     "export": "write a checkpoint as ONNX or safetensors (with the Hugging Face GPT-2 layout)",
+    "prepare": "tokenise a corpus into train.bin/val.bin for data=memmap (a Hydra app: perfrun prepare --help)",
 }
 # The other commands: each module's main(argv) -> exit code, imported only when used.
 _MODULES = {"gpu-check": "perfrun.gpucheck", "report": "perfrun.report", "tune": "perfrun.tune",
-            "generate": "perfrun.generate", "export": "perfrun.export"}
+            "generate": "perfrun.generate", "export": "perfrun.export", "prepare": "perfrun.prepare"}
 _FAILED_JOBS: list[str] = []
 PARALLEL = ("ddp", "fsdp")  # the distributed= values that run one process per GPU
 

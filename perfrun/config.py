@@ -65,6 +65,7 @@ class ModelConfig:
     block_size: int = 256
     dropout: float = 0.0
     bias: bool = True
+    init_from: str | None = None  # a Hugging Face GPT-2 folder whose weights start the run (perfrun/pretrained.py)
 
 
 @dataclass
@@ -75,6 +76,7 @@ class DataConfig:
     vocab_size: int | None = None  # memmap and synthetic; byte-level data is 256
     val_fraction: float = 0.1
     cache_dir: str | None = None  # None: $PERFRUN_CACHE or ~/.cache/perfrun
+    tokenizer: str | None = None  # byte | tiktoken:gpt2 | a tokenizer.json (perfrun/tokenizers.py); memmap: from meta.json
 
 
 @dataclass

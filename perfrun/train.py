@@ -34,6 +34,7 @@ from perfrun.guards import Diverged, GracefulStop, Interrupted, NonFiniteGuard
 from perfrun.knobs import Plan, apply_knobs
 from perfrun.model import GPT, GPTConfig, padded_vocab
 from perfrun.optim import build_optimizer, build_scheduler
+from perfrun.pretrained import init_from
 from perfrun.telemetry.profiling import attach_profiler, dump_memory_snapshot, start_memory_history
 from perfrun.telemetry.sinks import ConsoleReporter, JsonlSink
 from perfrun.telemetry.throughput import PhaseTimer, StepTimer, Throughput, median
@@ -180,6 +181,7 @@ def setup(cfg: Any, stack: ExitStack) -> Setup:
     seed_everything(cfg.seed)
     seq_len = cfg.data.seq_len or cfg.model.block_size
     data = build_datasets(cfg.data, seq_len, cfg.seed)
+    cfg.data.tokenizer, cfg.data.vocab_size = data.tokenizer, data.vocab_size  # what the ids are, recorded with the run
     log.info(data.description)
 
     m = cfg.model
@@ -187,7 +189,7 @@ def setup(cfg: Any, stack: ExitStack) -> Setup:
         vocab_size=padded_vocab(data.vocab_size), block_size=m.block_size, n_layer=m.n_layer,
         n_head=m.n_head, n_embd=m.n_embd, dropout=m.dropout, bias=m.bias, attention=cfg.attention,
     )
-    model = GPT(gcfg).to(device)
+    model = init_from(GPT(gcfg), m, data.vocab_size).to(device)
     plan = apply_knobs(cfg, device, model, stack)
     optimizer, fused = build_optimizer(model, cfg.optim, device)
     if world > 1:

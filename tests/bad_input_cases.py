@@ -4,6 +4,7 @@ what perfrun actually prints."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,6 +63,25 @@ CASES = [
     Case("several processes, no distributed mode", ("train", "nproc=2"), "nproc=2 needs distributed=ddp or fsdp"),
     Case("unknown distributed mode", ("train", "distributed=zero3"), "distributed=zero3 is not an option"),
     Case("unknown compile scope", ("train", "compile_options.scope=layers"), "compile_options.scope=layers is not an option"),
+    Case("token id beyond the vocabulary, at the end of the file", ("train", "data=memmap", "data.path={d}/high_id.bin",
+                                                                     "data.vocab_size=256"), "holds token id 999"),
+    Case("tokenizer file that does not parse (data=text)", ("train", "data=text", "data.path={d}/corpus.txt",
+                                                            "data.tokenizer={d}/bad_tokenizer.json"), "does not parse"),
+    Case("init_from a folder that is not a GPT-2 checkpoint", ("train", "model.init_from={d}"), "has no config.json"),
+    Case("init_from a GPT-2 of another shape", ("train", "model.init_from={d}/gpt2_config"), "use model=gpt2"),
+    Case("prepare: corpus that does not exist", ("prepare", "path={d}/missing.txt", "out={d}/tokens"), "does not exist",
+         small=False),
+    Case("prepare: empty corpus", ("prepare", "path={d}/empty.txt", "out={d}/tokens"), "is empty", small=False),
+    Case("prepare: tokenizer file that does not parse", ("prepare", "path={d}/corpus.txt", "out={d}/tokens",
+                                                          "tokenizer={d}/bad_tokenizer.json"), "does not parse", small=False),
+    Case("prepare: unknown tokenizer", ("prepare", "path={d}/corpus.txt", "out={d}/tokens", "tokenizer=gpt3"),
+         "tokenizer=gpt3 is not a tokenizer perfrun knows", small=False),
+    Case("prepare: .jsonl line without the text", ("prepare", "path={d}/docs.jsonl", "out={d}/tokens"),
+         "line 2 of", small=False),
+    Case("prepare: output folder holding other files", ("prepare", "path={d}/corpus.txt", "out={d}/gpt2_config"),
+         "holds files that perfrun prepare did not write", small=False),
+    Case("prepare: unknown key", ("prepare", "path={d}/corpus.txt", "out={d}/tokens", "worker=2"),
+         "worker is not a key", small=False),
     Case("unknown command", ("trian",), "unknown command 'trian'", small=False),
     Case("seed too large for the random number generator",
          ("generate", "checkpoint={d}/other_model.pt", "seed=18446744073709551616"),
@@ -95,3 +115,10 @@ def make_fixtures(d: Path, good_checkpoint: Path) -> None:
     first = next(iter(state["model"]))
     state["model"][first].view(-1)[0] = float("nan")  # a diverged run's checkpoint
     torch.save(state, d / "nan_weights.pt")
+    np.concatenate([np.arange(200, dtype=np.uint16) % 256, [999]]).astype(np.uint16).tofile(d / "high_id.bin")
+    (d / "corpus.txt").write_text("def f(x):\n    return x\n" * 200)
+    (d / "bad_tokenizer.json").write_text('{"model": {"type": "BPE", ')
+    (d / "docs.jsonl").write_text('{"text": "one"}\n{"body": "two"}\n')
+    (d / "gpt2_config").mkdir()
+    (d / "gpt2_config" / "config.json").write_text(json.dumps({
+        "model_type": "gpt2", "n_layer": 12, "n_head": 12, "n_embd": 768, "n_positions": 1024, "vocab_size": 50257}))

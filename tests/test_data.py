@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import pickle
 import sys
 import time
@@ -14,9 +16,9 @@ import torch
 from omegaconf import OmegaConf
 from torch.utils.data import DataLoader
 
-from perfrun import data as D
 from perfrun.config import ConfigError, DataConfig, DataLoaderConfig
 from perfrun.data import build_datasets, build_loader
+from perfrun.data import pysource as P
 
 # --------------------------------------------------------------------------- helpers
 
@@ -51,6 +53,18 @@ def arange_bin(tmp_path: Path) -> Path:
     p = tmp_path / "arange.bin"
     np.arange(1001, dtype=np.uint16).tofile(p)
     return p
+
+
+def write_prepared(folder: Path, tokens: np.ndarray, *, vocab: int, tokenizer: str = "byte", dtype: str = "uint16",
+                   val: int = 200) -> None:
+    from perfrun.data.meta import TokenMeta, write_meta
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tokens.astype(dtype)[:-val].tofile(folder / "train.bin")
+    tokens.astype(dtype)[-val:].tofile(folder / "val.bin")
+    write_meta(folder, TokenMeta(tokenizer=tokenizer, vocab_size=vocab, eot_id=None, dtype=dtype,
+                                 train_tokens=len(tokens) - val, val_tokens=val, documents=1, source="test",
+                                 val_fraction=0.1))
 
 
 # --------------------------------------------------------------------------- windows and formats
@@ -186,6 +200,37 @@ def _case_unwritable_cache(t: Path):
             ["cannot write the pysource cache", "data.cache_dir"])
 
 
+def _case_meta_vocab_lowered(t: Path):
+    write_prepared(t / "p", np.arange(1000) % 256, vocab=256)
+    return (DataConfig(name="memmap", path=str(t / "p"), vocab_size=100), 8, t / "p",
+            ["data.vocab_size=100 is smaller than the vocabulary of the tokenizer (256", "meta.json"])
+
+
+def _case_meta_damaged(t: Path):
+    write_prepared(t / "p", np.arange(1000) % 256, vocab=256)
+    (t / "p" / "val.bin").write_bytes(b"\0\0" * 10)
+    return (DataConfig(name="memmap", path=str(t / "p")), 8, t / "p",
+            ["val.bin has 20 bytes but meta.json records 200 uint16 tokens", "run perfrun prepare again"])
+
+
+def _case_meta_other_tokenizer(t: Path):
+    write_prepared(t / "p", np.arange(1000) % 256, vocab=256)
+    return (DataConfig(name="memmap", path=str(t / "p"), tokenizer="tiktoken:gpt2"), 8, t / "p",
+            ["data.tokenizer=tiktoken:gpt2 but", "made by byte"])
+
+
+def _case_pysource_tokenizer(t: Path):
+    return (DataConfig(name="pysource", tokenizer="tiktoken:gpt2", cache_dir=str(t)), 8, "data.tokenizer=tiktoken:gpt2",
+            ["data=pysource is byte-level"])
+
+
+def _case_text_tokenizer_unparsable(t: Path):
+    (t / "c.txt").write_text("some text " * 100)
+    (t / "tok.json").write_text("{ not json")
+    return (DataConfig(name="text", path=str(t / "c.txt"), tokenizer=str(t / "tok.json")), 8, t / "tok.json",
+            ["does not parse as a Hugging Face tokenizer.json"])
+
+
 BAD_CASES: dict[str, Callable] = {
     f.__name__.removeprefix("_case_"): f
     for f in (
@@ -193,6 +238,8 @@ BAD_CASES: dict[str, Callable] = {
         _case_empty_bin, _case_too_short, _case_val_too_short, _case_odd_bin,
         _case_llmc_version, _case_llama3, _case_unknown_magic, _case_llmc_truncated,
         _case_vocab, _case_no_train_bin, _case_memmap_text_file, _case_unwritable_cache,
+        _case_meta_vocab_lowered, _case_meta_damaged, _case_meta_other_tokenizer, _case_pysource_tokenizer,
+        _case_text_tokenizer_unparsable,
     )
 }
 
@@ -327,7 +374,7 @@ def fake_stdlib(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
         (lib / "pkg" / f"mod{i:02d}.py").write_text(f"def f{i}():\n    return {i}\n" * 20)
     (lib / "site-packages").mkdir()
     (lib / "site-packages" / "third_party.py").write_text("THIRD_PARTY_MARKER = 1\n" * 50)
-    monkeypatch.setattr(D, "_stdlib_dir", lambda: lib)
+    monkeypatch.setattr(P, "stdlib_dir", lambda: lib)
     return lib
 
 
@@ -339,9 +386,9 @@ def test_pysource_split_excludes_site_packages_and_rebuilds_a_damaged_cache(
     assert "built" in b.description
     all_bytes = stream(b.train).astype(np.uint8).tobytes() + stream(b.val).astype(np.uint8).tobytes()
     assert b"THIRD_PARTY_MARKER" not in all_bytes
-    rels = [r for r, _ in D._pysource_files(fake_stdlib)]
+    rels = [r for r, _ in P.pysource_files(fake_stdlib)]
     assert len(rels) == 20 and not any("site-packages" in r for r in rels)
-    val_rels = [r for r in rels if D._is_val(r, 0.5)]
+    val_rels = [r for r in rels if P.is_val(r, 0.5)]
     assert 0 < len(val_rels) < 20
     val_bytes = b"".join((fake_stdlib / r).read_bytes() for r in val_rels)
     assert b.val.n_tokens == len(val_bytes)
@@ -361,13 +408,13 @@ def test_pysource_failed_write_leaves_no_cache(
     def disk_full(fd: int) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(D.os, "fsync", disk_full)
+    monkeypatch.setattr(P.os, "fsync", disk_full)
     with pytest.raises(ConfigError, match="No space left on device"):
         build_datasets(cfg, 8, 0)
     leftovers = [p for p in cache.rglob("*") if p.is_file()]
     assert leftovers == []
     monkeypatch.undo()
-    monkeypatch.setattr(D, "_stdlib_dir", lambda: fake_stdlib)
+    monkeypatch.setattr(P, "stdlib_dir", lambda: fake_stdlib)
     assert "built" in build_datasets(cfg, 8, 0).description
 
 
@@ -388,11 +435,116 @@ def test_pysource_real_cache_is_built_once_and_decodes_to_source(tmp_path: Path)
     assert "reused" in again.description
     assert {p.name: p.stat().st_mtime_ns for p in train_bin.parent.iterdir()} == mtimes
 
-    stdlib = D._stdlib_dir()
-    first = next(r for r, _ in D._pysource_files(stdlib) if not D._is_val(r, cfg.val_fraction))
+    stdlib = P.stdlib_dir()
+    first = next(r for r, _ in P.pysource_files(stdlib) if not P.is_val(r, cfg.val_fraction))
     source = (stdlib / first).read_bytes()
     tokens = np.memmap(train_bin, dtype=np.uint16, mode="r")
     assert tokens[: len(source)].astype(np.uint8).tobytes() == source
     compile(source, first, "exec")  # it is real Python source
     decoded = b.train[0][0].numpy().astype(np.uint8).tobytes()
     assert decoded == tokens[:256].astype(np.uint8).tobytes()  # the dataset reads the cache
+
+
+# --------------------------------------------------------------------------- every token id checked
+
+
+def test_a_token_beyond_the_vocabulary_late_in_the_file_is_refused_before_step_1(
+    tmp_path: Path, capfd: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The id 300 sits 2^24 + 5 tokens into a 32 MiB file (past any bounded prefix):
+    ``perfrun train`` refuses it with one line, before the first step."""
+    from perfrun.cli import main as cli_main
+
+    tokens = np.zeros((1 << 24) + 10, dtype=np.uint16)
+    tokens[(1 << 24) + 5] = 300
+    tokens.tofile(tmp_path / "late.bin")
+    monkeypatch.chdir(tmp_path)
+    try:
+        rc = cli_main(["train", "data=memmap", f"data.path={tmp_path / 'late.bin'}", "data.vocab_size=256",
+                       "model.n_layer=1", "model.n_head=2", "model.n_embd=32", "model.block_size=32", "max_steps=2",
+                       "device=cpu", "monitor.every_n_steps=0", "hydra.run.dir=run"])
+    except SystemExit as e:
+        rc = e.code
+    lines = [line for line in capfd.readouterr().err.splitlines() if line.strip()]
+    assert rc == 2 and len(lines) == 1, lines
+    assert "holds token id 300 (first at token 16,777,221) but data.vocab_size=256" in lines[0]
+    assert "data.vocab_size=301" in lines[0]
+    assert not (tmp_path / "run" / "metrics.jsonl").read_text().strip()  # no step ran
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "failed"
+
+
+def test_the_whole_file_check_runs_once_per_version_of_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from perfrun.data import memmap as M
+
+    path = tmp_path / "tokens.bin"
+    np.arange(2000, dtype=np.uint16).tofile(path)
+    cfg = DataConfig(name="memmap", path=str(path), vocab_size=2000, cache_dir=str(tmp_path / "cache"))
+    scans: list[str] = []
+    real = np.memmap
+
+    def counted(filename, *args, **kwargs):
+        scans.append(str(filename))
+        return real(filename, *args, **kwargs)
+
+    monkeypatch.setattr(M.np, "memmap", counted)
+    build_datasets(cfg, 8, 0)
+    build_datasets(cfg, 16, 0)  # the same file: the cached verdict, no second read
+    assert scans == [str(path)]
+    assert len(list((tmp_path / "cache" / "largest-token").glob("*.json"))) == 1
+    tokens = np.arange(2000, dtype=np.uint16)
+    tokens[1500] = 2500
+    tokens.tofile(path)  # rewritten in place, same size: read again, and refused
+    os.utime(path, ns=(time.time_ns(), time.time_ns() + 1_000_000))
+    with pytest.raises(ConfigError, match="holds token id 2500"):
+        build_datasets(cfg, 8, 0)
+    assert scans == [str(path)] * 2
+
+
+# --------------------------------------------------------------------------- folders from perfrun prepare
+
+
+def test_a_prepared_folder_gives_its_vocabulary_and_tokenizer(tmp_path: Path) -> None:
+    write_prepared(tmp_path / "p", np.arange(1000) % 256, vocab=256)
+    b = build_datasets(DataConfig(name="memmap", path=str(tmp_path / "p")), 16, 0)
+    assert (b.vocab_size, b.tokenizer) == (256, "byte")  # not GPT-2's 50257: read from meta.json
+    padded = build_datasets(DataConfig(name="memmap", path=str(tmp_path / "p"), vocab_size=320), 16, 0)
+    assert padded.vocab_size == 320
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    np.arange(1000, dtype=np.uint16).tofile(raw / "train.bin")
+    assert build_datasets(DataConfig(name="memmap", path=str(raw)), 16, 0).tokenizer is None  # nobody knows
+
+
+# --------------------------------------------------------------------------- text with a tokenizer
+
+
+def test_text_with_a_tokenizer_gives_whole_windows_of_the_text(tmp_path: Path) -> None:
+    import sysconfig
+
+    from perfrun.tokenizers import load_tokenizer, train_bpe
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    root = tmp_path / "corpus"
+    root.mkdir()
+    sources = ["textwrap.py", "colorsys.py", "bisect.py", "this.py"]
+    for name in sources:
+        (root / name).write_text((stdlib / name).read_text())
+    spec = str(train_bpe([(root / n).read_text() for n in sources], 400, tmp_path / "tok.json"))
+    tok = load_tokenizer(spec)
+    b = build_datasets(DataConfig(name="text", path=str(root), tokenizer=spec), 64, 0)
+    assert b.vocab_size == 400 and b.tokenizer == spec and "tokenised in the DataLoader" in b.description
+    assert len(b.train) > 50 and len(b.val) >= 1
+    texts = [(root / n).read_text() for n in sorted(sources)]
+    for i in (0, 1, len(b.train) // 2, len(b.train) - 1):
+        x, y = b.train[i]
+        assert x.shape == (64,) and torch.equal(x[1:], y[:-1]) and int(y.max()) < 400
+        pieces = tok.decode([t for t in torch.cat([x, y[-1:]]).tolist() if t != tok.eot_id]).split("\ufffd")
+        assert all(any(p.strip() in t for t in texts) for p in pieces if p.strip())  # real text, whole words
+    ids = [t for i in range(len(b.train)) for t in b.train[i][0].tolist()]
+    assert ids.count(tok.eot_id) >= 2  # documents (files) are separated by the end-of-text token
+    ref = batches(build_loader(b.train, dl(batch_size=4), device_type="cpu", shuffle=True, seed=7))
+    par = batches(build_loader(b.train, dl(batch_size=4, num_workers=2), device_type="cpu", shuffle=True, seed=7))
+    assert len(par) == len(ref) and all(torch.equal(a[0], c[0]) for a, c in zip(ref, par, strict=True))
+    assert len(pickle.dumps(b.train)) < 2000  # paths and numbers: the tokenizer loads in each worker

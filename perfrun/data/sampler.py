@@ -1,0 +1,42 @@
+"""The training order: a seeded shuffle that can start anywhere and shards by rank."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch.utils.data import Sampler
+
+
+class ResumableSampler(Sampler[int]):
+    """A seeded shuffle that can start anywhere: epoch ``e`` is the permutation drawn from
+    ``seed + e`` alone, and iteration starts at ``start`` within it.
+
+    This is what makes resume exact: the trainer records (epoch, samples consumed) and a
+    resumed run rebuilds the same order from there, without replaying earlier epochs.
+
+    Under DDP each of ``world`` ranks takes every ``world``-th index from ``start`` on
+    (``start`` counts samples of all ranks), so batch k of the ranks together is batch k of
+    one process with a batch ``world`` times as large: the global order does not depend on
+    the number of ranks. The tail is cut to a multiple of ``world`` so that every rank has
+    as many batches as the others (a rank that ran out first would wait forever).
+    """
+
+    def __init__(self, n: int, seed: int, rank: int = 0, world: int = 1) -> None:
+        self.n = n
+        self.seed = seed
+        self.rank, self.world = rank, world
+        self.epoch = 0
+        self.start = 0
+
+    def set_position(self, epoch: int, start: int = 0) -> None:
+        self.epoch, self.start = epoch, start
+
+    def __iter__(self) -> Iterator[int]:
+        g = torch.Generator().manual_seed(self.seed + self.epoch)
+        order = torch.randperm(self.n, generator=g)[self.start:]
+        order = order[: len(order) - len(order) % self.world][self.rank::self.world]
+        return iter(order.tolist())
+
+    def __len__(self) -> int:
+        return (self.n - self.start) // self.world

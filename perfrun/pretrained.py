@@ -1,0 +1,177 @@
+"""``model.init_from=PATH``: the weights of a Hugging Face GPT-2 folder start the run.
+
+The folder is what ``transformers``' ``save_pretrained`` writes and what ``perfrun export
+format=safetensors`` writes: ``config.json`` with ``model.safetensors`` (or its shards and
+``model.safetensors.index.json``), or ``pytorch_model.bin``, read with
+``torch.load(weights_only=True)``: tensors and plain values only, no code runs. Nothing is
+downloaded: point it at a folder you have.
+
+The model's shape is checked against the model group, not taken from the folder: the model
+group is where everything else reads the shape from (validation of ``data.seq_len``, the
+FLOPs behind MFU, the automatic batch size, resume's checks, the configuration the run
+records), so a folder of another shape is refused with one line that gives the overrides
+(and the preset) that match it.
+
+The vocabulary: the data's ids must be the checkpoint's (same size: same tokenizer, e.g.
+``tiktoken:gpt2`` for GPT-2). perfrun pads the embedding to a multiple of 64 (50257 ->
+50304); rows the checkpoint lacks start as the mean of its rows, so those never-seen ids
+get an average logit and take a negligible share of the softmax, instead of the large one
+that zero or random rows would have against GPT-2's trained logits.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import OmegaConf
+
+from perfrun.config import ConfigError, config_dir
+from perfrun.console import first_line
+from perfrun.inference.hf_layout import perfrun_state_dict
+from perfrun.model import GPT
+
+SHAPE = {"n_layer": "n_layer", "n_head": "n_head", "n_embd": "n_embd", "block_size": "n_positions"}
+ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")  # GELU with the tanh approximation, as perfrun's
+BUFFER = re.compile(r"^h\.\d+\.attn\.(masked_)?bias$")  # transformers' causal-mask buffers, not weights
+INSTALL_SAFETENSORS = "pip install safetensors (or 'perfrun[export]')"
+
+
+def read_config(folder: Path, shown: str) -> dict[str, Any]:
+    """config.json of a GPT-2 folder, checked to describe perfrun's architecture."""
+    if not folder.is_dir():
+        what = "does not exist" if not folder.exists() else "is a file"
+        raise ConfigError(f"{shown} {what}; give a Hugging Face GPT-2 folder (config.json + model.safetensors)")
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{shown} is not a GPT-2 checkpoint folder: it has no config.json; give a folder written by "
+                          "save_pretrained or perfrun export format=safetensors") from None
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{shown}: config.json cannot be read as JSON ({first_line(e)}); the folder is damaged") from None
+    kind = config.get("model_type") if isinstance(config, dict) else None
+    if kind != "gpt2":
+        raise ConfigError(f"{shown} holds a model_type={kind} checkpoint; perfrun's GPT is GPT-2's architecture, so "
+                          "model.init_from takes GPT-2 folders (model_type gpt2)")
+    act, eps, inner = config.get("activation_function", "gelu_new"), config.get("layer_norm_epsilon", 1e-5), config.get("n_inner")
+    if act not in ACTIVATIONS or abs(float(eps) - 1e-5) > 1e-12 or inner not in (None, 4 * int(config.get("n_embd", 0))):
+        raise ConfigError(f"{shown} is a GPT-2 variant (activation {act}, layer_norm_epsilon {eps}, n_inner {inner}) that "
+                          "perfrun's GPT does not compute (gelu_new, 1e-05, 4 x n_embd)")
+    return config
+
+
+def _preset(shape: dict[str, int]) -> str | None:
+    """The model group's preset with this shape, if there is one."""
+    for path in sorted(Path(config_dir(), "model").glob("*.yaml")):
+        preset = OmegaConf.load(path)
+        if all(preset.get(k) == v for k, v in shape.items()):
+            return path.stem
+    return None
+
+
+def check_shape(config: dict[str, Any], model: GPT, model_cfg: Any, shown: str) -> None:
+    """The folder's shape must be the model group's; else one line with the overrides."""
+    theirs = {ours: int(config.get(key, config.get("n_ctx", 0) if key == "n_positions" else 0))
+              for ours, key in SHAPE.items()}
+    mine = {k: int(getattr(model.config, k)) for k in SHAPE}
+    if theirs == mine:
+        return
+    preset = _preset(theirs)
+    overrides = " ".join(f"model.{k}={v}" for k, v in theirs.items())
+    raise ConfigError(
+        f"{shown} is a GPT-2 of {', '.join(f'{k} {v}' for k, v in theirs.items())} but model={model_cfg.name} has "
+        f"{', '.join(f'{k} {v}' for k, v in mine.items())}; use "
+        + (f"model={preset} (or {overrides})" if preset else overrides)
+    )
+
+
+def read_weights(folder: Path, shown: str) -> dict[str, torch.Tensor]:
+    """The tensors of model.safetensors (or its shards) or pytorch_model.bin, on the CPU."""
+    index = folder / "model.safetensors.index.json"
+    single = folder / "model.safetensors"
+    try:
+        if single.is_file() or index.is_file():
+            try:
+                from safetensors.torch import load_file
+            except ImportError:
+                raise ConfigError(f"{shown}: reading model.safetensors needs safetensors; {INSTALL_SAFETENSORS}") from None
+            files = ([single] if single.is_file() else
+                     sorted({folder / f for f in json.loads(index.read_text())["weight_map"].values()}))
+            weights: dict[str, torch.Tensor] = {}
+            for f in files:
+                weights.update(load_file(str(f)))
+            return weights
+        legacy = folder / "pytorch_model.bin"
+        if legacy.is_file():
+            loaded = torch.load(legacy, map_location="cpu", weights_only=True)
+            if not isinstance(loaded, dict):
+                raise ConfigError(f"{shown}: pytorch_model.bin holds a {type(loaded).__name__}, not a state dict of tensors")
+            return loaded
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - safetensors, torch.load and json each raise their own kinds
+        raise ConfigError(f"{shown}: its weights cannot be read ({first_line(e)}); the file is damaged or not "
+                          "a GPT-2 checkpoint") from None
+    raise ConfigError(f"{shown} is not a GPT-2 checkpoint folder: it has config.json but no model.safetensors or "
+                      "pytorch_model.bin")
+
+
+def _perfrun_names(hf: dict[str, torch.Tensor], n_layer: int, shown: str) -> dict[str, torch.Tensor]:
+    """transformers' names (with or without the ``transformer.`` prefix) as perfrun's."""
+    bare = {k.removeprefix("transformer."): v for k, v in hf.items()}
+    head = bare.pop("lm_head.weight", None)
+    if head is not None and not torch.equal(head, bare.get("wte.weight", head)):
+        raise ConfigError(f"{shown}: its output layer (lm_head) is not tied to its embedding (wte); perfrun's GPT "
+                          "ties them, as GPT-2 does")
+    prefixed = {f"transformer.{k}": v for k, v in bare.items() if not BUFFER.match(k)}
+    try:
+        return perfrun_state_dict(prefixed, n_layer)
+    except KeyError as e:
+        raise ConfigError(f"{shown}: its weights have no tensor {e.args[0].removeprefix('transformer.')}; it is not a "
+                          "GPT-2 checkpoint of the shape its config.json gives") from None
+
+
+def _fit_vocab(sd: dict[str, torch.Tensor], rows: int, real: int, data_vocab: int, shown: str) -> None:
+    """Give the embedding the model's (padded) number of rows: drop padding rows beyond it,
+    add rows that start as the mean of the checkpoint's real ones."""
+    if data_vocab != real:
+        raise ConfigError(
+            f"{shown} was trained on a vocabulary of {real} token ids but the data has {data_vocab}, so its ids are "
+            "another tokenizer's; prepare the data with the checkpoint's tokenizer (GPT-2: perfrun prepare "
+            "tokenizer=tiktoken:gpt2), or set data.vocab_size if the ids are the checkpoint's"
+        )
+    wte = sd["wte.weight"]
+    if wte.shape[0] >= rows:
+        wte = wte[:rows]
+    else:
+        pad = wte[:real].float().mean(0, keepdim=True).to(wte.dtype).expand(rows - wte.shape[0], -1)
+        wte = torch.cat([wte, pad])
+    sd["wte.weight"] = sd["lm_head.weight"] = wte
+
+
+def init_from(model: GPT, model_cfg: Any, data_vocab: int) -> GPT:
+    """``model`` with the weights of ``model_cfg.init_from`` (unchanged when it is not set);
+    anything that does not fit is a one-line ConfigError."""
+    if not getattr(model_cfg, "init_from", None):
+        return model
+    folder = Path(str(model_cfg.init_from)).expanduser()
+    shown = f"model.init_from={model_cfg.init_from}"
+    config = read_config(folder, shown)
+    check_shape(config, model, model_cfg, shown)
+    sd = _perfrun_names(read_weights(folder, shown), model.config.n_layer, shown)
+    real = int(config.get("perfrun_real_vocab_size") or config.get("vocab_size") or sd["wte.weight"].shape[0])
+    _fit_vocab(sd, model.config.vocab_size, real, data_vocab, shown)
+    expected = model.state_dict()
+    for key in sorted(set(sd) - set(expected)):  # model.bias=false: the checkpoint's biases must be zero
+        if not key.endswith(".bias") or sd[key].any():
+            raise ConfigError(f"{shown} has a non-zero {key} that model.bias=false leaves out; set model.bias=true")
+        del sd[key]
+    try:
+        model.load_state_dict(sd, strict=True)
+    except RuntimeError as e:
+        raise ConfigError(f"{shown}: its weights do not fit its config.json ({first_line(e, 120)}); the folder is "
+                          "damaged or hand-edited") from None
+    return model
