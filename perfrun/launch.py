@@ -48,6 +48,9 @@ def hydra_dirs(args: list[str]) -> tuple[str, str]:
     at this moment, so every process handed these strings writes into the same folder."""
     from hydra import compose, initialize_config_dir
 
+    from perfrun.config import register_configs
+
+    register_configs()
     plain = [a for a in args if not a.startswith("-")]
     with initialize_config_dir(config_dir=config_dir(), version_base="1.3", job_name="train"):
         try:

@@ -61,6 +61,8 @@ CASES = [
     Case("several processes, no distributed mode", ("train", "nproc=2"), "nproc=2 needs distributed=ddp or fsdp"),
     Case("unknown distributed mode", ("train", "distributed=zero3"), "distributed=zero3 is not an option"),
     Case("unknown compile scope", ("train", "compile_options.scope=layers"), "compile_options.scope=layers is not an option"),
+    Case("unknown experiment logger", ("train", "logger=neptune"), "logger=neptune is not an option"),
+    Case("unknown W&B mode", ("train", "logger=wandb", "logger.mode=sometimes"), "logger.mode=sometimes is not an option"),
     Case("unknown command", ("trian",), "unknown command 'trian'", small=False),
 ]
 
