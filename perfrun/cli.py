@@ -264,14 +264,6 @@ def _train_json(args: list[str]) -> int:
     return code
 
 
-def _shown(path: Path) -> str:
-    """A path as short as it can be said: relative to the current folder when inside it."""
-    try:
-        return str(path.absolute().relative_to(Path.cwd()))
-    except ValueError:
-        return str(path)
-
-
 def _contents(run_dir: Path) -> str:
     return ", ".join(p.name + ("/" if p.is_dir() else "") for p in sorted(run_dir.iterdir())
                      if not p.name.startswith("."))
@@ -286,6 +278,7 @@ def _run_app(args: list[str]) -> int:
 
     from perfrun.config import ConfigError, register_configs
     from perfrun.guards import Interrupted
+    from perfrun.telemetry.sinks import shown_path
     from perfrun.train import RunFailed, run
 
     register_configs()
@@ -304,11 +297,11 @@ def _run_app(args: list[str]) -> int:
                 if code != 0:  # the ranks have printed why
                     raise RunFailed(f"its {cfg.nproc} ranks exited with code {code}; see {run_dir / 'train.log'}")
             else:
-                log.info(f"run dir {_shown(run_dir)}")
+                log.info(f"run dir {shown_path(run_dir)}")
                 try:
                     run(cfg, run_dir, overrides=overrides)
                 finally:
-                    log.info(f"run dir {_shown(run_dir)}: {_contents(run_dir)}")
+                    log.info(f"run dir {shown_path(run_dir)}: {_contents(run_dir)}")
         except (ConfigError, RunFailed) as e:
             error(str(e))
             if hc.mode == RunMode.MULTIRUN:

@@ -22,10 +22,11 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlparse
+from urllib.request import url2pathname
 
 from perfrun.config import ConfigError
 from perfrun.console import first_line, warn
-from perfrun.telemetry.sinks import JsonlSink
+from perfrun.telemetry.sinks import JsonlSink, shown_path
 
 log = logging.getLogger("perfrun")
 
@@ -119,10 +120,10 @@ class TensorBoardLogger:
         for summary in self._end[:2]:  # the experiment and this run's values, now
             self.writer.file_writer.add_summary(summary)
         self.writer.add_text("run", f"{names['run_name']} (group: {names['group'] or 'none'})")
-        self.folder = folder
+        self.folder, self.root = folder, names["root"] or folder
 
-    def describe(self) -> str:
-        return f"TensorBoard: tensorboard --logdir {self.folder}"
+    def describe(self) -> str:  # the sweep dir shows every job of a sweep side by side
+        return f"TensorBoard logs in {shown_path(self.folder)} (tensorboard --logdir {shown_path(self.root)})"
 
     def log(self, step: int, values: dict[str, float]) -> None:
         for tag, value in values.items():
@@ -152,7 +153,7 @@ class WandbLogger:
 
     def describe(self) -> str:
         if self.run.settings.mode == "offline":
-            where = self.run.settings.sync_dir
+            where = shown_path(self.run.settings.sync_dir)
             return f"W&B offline run in {where}; upload it with wandb sync {where}"
         return f"W&B run {self.run.url}"
 
@@ -210,7 +211,8 @@ class MlflowLogger:
         self.uri = uri
 
     def describe(self) -> str:
-        return f"MLflow run {self.run_id} in {self.uri} (mlflow ui --backend-store-uri {self.uri})"
+        store = shown_path(url2pathname(urlparse(self.uri).path)) if self.uri.startswith("file:") else self.uri
+        return f"MLflow run {self.run_id} in {store} (MLFLOW_ALLOW_FILE_STORE=true mlflow ui --backend-store-uri {store})"
 
     def _create(self, name: str) -> str:
         try:

@@ -87,6 +87,14 @@ def log_handler(level: int = logging.NOTSET) -> logging.Handler:
     return handler
 
 
+def shown_path(path: Path | str) -> str:
+    """A path as short as it can be said: relative to the current folder when inside it."""
+    try:
+        return str(Path(path).absolute().relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
 def si(value: float) -> str:
     """Three significant figures with k, M or G: 987, 34.3k, 1.23M."""
     for scale, unit in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
