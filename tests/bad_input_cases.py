@@ -63,6 +63,8 @@ CASES = [
     Case("unknown compile scope", ("train", "compile_options.scope=layers"), "compile_options.scope=layers is not an option"),
     Case("unknown experiment logger", ("train", "logger=neptune"), "logger=neptune is not an option"),
     Case("unknown W&B mode", ("train", "logger=wandb", "logger.mode=sometimes"), "logger.mode=sometimes is not an option"),
+    Case("logger folder under a file", ("train", "logger=tensorboard", "logger.dir={d}/notes.txt/tb"),
+         "logger=tensorboard could not start"),
     Case("unknown command", ("trian",), "unknown command 'trian'", small=False),
 ]
 

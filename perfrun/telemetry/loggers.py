@@ -338,13 +338,12 @@ def build_sinks(cfg: Any, run_dir: Path | None, rank: int) -> Sinks:
     if rank != 0:
         return Sinks(JsonlSink(None))
     check(cfg.logger)
-    jsonl = JsonlSink(run_dir / "metrics.jsonl" if run_dir is not None else None)
     try:
         logger = start_logger(cfg, run_dir)
     except Exception as e:  # noqa: BLE001 - a logger that cannot start is the user's to fix, before any work
-        jsonl.close()
-        hint = " (logger.mode=offline logs without a network)" if cfg.logger.name == "wandb" else ""
-        raise ConfigError(f"logger={cfg.logger.name} could not start: {type(e).__name__}: {first_line(e)}{hint}") from None
+        fix = "logger.mode=offline logs without a network" if cfg.logger.name == "wandb" else "check logger.dir"
+        raise ConfigError(f"logger={cfg.logger.name} could not start ({type(e).__name__}: {first_line(e)}); "
+                          f"{fix}, or choose logger=none") from None
     if logger is not None:
         log.info(logger.describe())
-    return Sinks(jsonl, logger, cfg.logger.name)
+    return Sinks(JsonlSink(run_dir / "metrics.jsonl" if run_dir is not None else None), logger, cfg.logger.name)

@@ -22,7 +22,7 @@ from rich.progress import (
 )
 
 from perfrun.atomic import json_safe
-from perfrun.telemetry.nvml import is_slowdown
+from perfrun.telemetry.nvml import SLOWDOWN_REASONS
 
 log = logging.getLogger("perfrun")
 
@@ -111,33 +111,30 @@ def mib(value: float) -> str:
     return f"{value / 1024:.{1 if value < 10 * 1024 else 0}f}G"
 
 
-def percent(fraction_pct: float) -> str:
-    return f"{fraction_pct:.{1 if fraction_pct < 10 else 0}f}%"
+def percent(pct: float) -> str:
+    """45%, or 4.5% where a decimal still says something."""
+    return f"{pct:.{1 if pct < 10 else 0}f}%"
 
 
-def spread(values: list[float | None], fmt: Any) -> str | None:
+def spread(values: list[float | None]) -> str | None:
     """One rank's figure, or the range over several (``95-98``); None when none measured it."""
     known = [v for v in values if v is not None]
     if not known:
         return None
-    low, high = fmt(min(known)), fmt(max(known))
+    low, high = f"{min(known):.0f}", f"{max(known):.0f}"
     return low if low == high else f"{low}-{high}"
 
 
-# the GPU figures folded into the step line: key in the monitor record, how it is printed
-GPU_FIELDS = (
-    ("gpu_util_pct_mean", lambda v: f"{v:.0f}", "GPU {}%"),
-    ("power_w_mean", lambda v: f"{v:.0f}", "{}W"),
-    ("temp_c_max", lambda v: f"{v:.0f}", "{}C"),
-)
+# the GPU figures folded into the step line: key in the monitor record, and its label
+GPU_FIELDS = (("gpu_util_pct_mean", "GPU {}%"), ("power_w_mean", "{}W"), ("temp_c_max", "{}C"))
 
 
 def gpu_parts(sample: dict[str, Any] | None, ranks: list[dict[str, Any]] | None = None) -> list[str]:
     """``GPU 98%``, ``690W``, ``71C`` from a monitor sample (ranges over several ranks)."""
     rows = ranks or ([sample] if sample else [])
     parts = []
-    for key, fmt, label in GPU_FIELDS:
-        shown = spread([row.get(key) for row in rows], fmt)
+    for key, label in GPU_FIELDS:
+        shown = spread([row.get(key) for row in rows])
         if shown is not None:
             parts.append(label.format(shown))
     return parts
@@ -227,8 +224,8 @@ class ConsoleReporter:
         self._gpu = (step, gpu_parts(record, ranks))
         if self._held is not None and self._held["step"] == step:
             self._flush()
-        reasons = sorted({r for row in (ranks or [record]) for r in row.get("throttle_reasons") or []})
-        slowdown = reasons if is_slowdown(reasons) else []
+        slowdown = sorted({r for row in (ranks or [record]) for r in row.get("throttle_reasons") or []
+                           if r in SLOWDOWN_REASONS})  # not gpu_idle, nor a configured clock
         if slowdown != self._slowdown:
             self._slowdown = slowdown
             log.warning(f"step {step}: GPU clocks held down ({', '.join(slowdown)})" if slowdown
