@@ -1,14 +1,19 @@
-"""``perfrun COMMAND ...``: dispatch to the Hydra trainer, gpu-check and report.
+"""``perfrun COMMAND ...``: dispatch to the Hydra trainer and the other commands.
 
 ``perfrun train`` hands the rest of the command line to a real Hydra app, so ``-m``,
-``--cfg job``, ``--help``, ``--info`` and shell completion all work. Hydra's completion
-script calls ``perfrun -sc query=bash`` with the whole line in COMP_LINE; the
-``train`` word is removed from it here, since Hydra knows no subcommands.
+``--cfg job``, ``--help``, ``--info`` and shell completion all work; what several
+processes need (torchrun, one run dir for every rank) is in :mod:`perfrun.launch`.
+Hydra's completion script calls ``perfrun -sc query=bash`` with the whole line in
+COMP_LINE; the ``train`` word is removed from it here, since Hydra knows no subcommands,
+and the answer is composed without importing the trainer (no torch), so a Tab is quick.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -16,6 +21,17 @@ from typing import Any
 
 from perfrun.config import config_dir
 from perfrun.console import composition_error, error, first_line
+from perfrun.launch import (
+    arg_value,
+    dir_overrides,
+    hydra_dirs,
+    join_rank_group,
+    launch_ranks,
+    quoted,
+    run_sweep_job_on_ranks,
+    validate_job,
+    world_size,
+)
 
 COMMANDS = {
     "train": "train a GPT with the knobs you choose (a Hydra app: perfrun train --help)",
@@ -31,6 +47,11 @@ _MODULES = {"gpu-check": "perfrun.gpucheck", "report": "perfrun.report", "tune":
             "generate": "perfrun.generate", "export": "perfrun.export", "prepare": "perfrun.prepare"}
 _FAILED_JOBS: list[str] = []
 PARALLEL = ("ddp", "fsdp")  # the distributed= values that run one process per GPU
+# conf/ groups that ``perfrun train --help`` does not offer: +sweep=ablation picks their options
+INTERNAL_GROUPS = ("ablation", "hydra")
+COMPLETION_FLAGS = ("-sc", "--shell-completion")
+
+log = logging.getLogger("perfrun")
 
 
 def _usage() -> str:
@@ -39,15 +60,39 @@ def _usage() -> str:
     lines += [f"  {name:<{width}}  {text}" for name, text in COMMANDS.items()]
     lines += [
         "",
+        "options:",
+        "  -h, --help  this list",
+        "  --version   print perfrun's version",
+        "",
         "examples:",
         "  perfrun train                                  # the built-in default: tiny GPT on Python's own source",
         "  perfrun train precision=bf16 compile=true",
         "  perfrun train -m dataloader.batch_size=8,16,32 dataloader.num_workers=0,2,4",
+        "  perfrun train --json max_steps=50 > summary.json  # the summary on stdout, the log on stderr",
         "  perfrun gpu-check",
         "",
         "shell completion:  eval \"$(perfrun train -sc install=bash)\"",
     ]
     return "\n".join(lines)
+
+
+def group_listing() -> str:
+    """The ``group: option, ...`` lines of ``perfrun train --help`` (Hydra's own format),
+    read from conf/ without the internal groups."""
+    root = Path(config_dir())
+    lines = []
+    for group in sorted(p for p in root.iterdir() if p.is_dir() and p.name not in INTERNAL_GROUPS):
+        options = sorted(f.stem for f in group.glob("*.yaml"))
+        if options:
+            lines.append(f"{group.name}: {', '.join(options)}")
+    return "\n".join(lines)
+
+
+def _register_help() -> None:
+    """conf/train.yaml's help template lists the groups through ``${perfrun_groups:}``."""
+    from omegaconf import OmegaConf
+
+    OmegaConf.register_new_resolver("perfrun_groups", group_listing, replace=True)
 
 
 def _preflight(args: list[str]) -> tuple[str | None, Any]:
@@ -60,164 +105,28 @@ def _preflight(args: list[str]) -> tuple[str | None, Any]:
         return None, None
     from hydra import compose, initialize_config_dir
 
+    from perfrun.config import ConfigError
+    from perfrun.telemetry.loggers import check
+
     try:
         with initialize_config_dir(config_dir=config_dir(), version_base="1.3", job_name="train"):
             cfg = compose("train", overrides=args, return_hydra_config=True)
             run_dir = str(cfg.hydra.run.dir)
     except Exception as e:  # noqa: BLE001 - every composition error is the user's input
         return composition_error(e), None
+    try:
+        check(cfg.logger)
+    except ConfigError as e:
+        return str(e), None
     return _unwritable(Path(run_dir)), cfg
 
 
-def validate_job(composed: Any, launching: int | None = None) -> None:
-    """The job's configuration without Hydra's own node, checked as run() will check it;
-    ``launching``: as the ranks of the torchrun of that many processes about to start."""
-    from omegaconf import OmegaConf
+def _logger_problem(args: list[str]) -> str | None:
+    """``logger=wandb`` (or a sweep over loggers) without its package: one line before any work."""
+    from perfrun.telemetry.loggers import missing_package
 
-    from perfrun.config import check_distributed, validate
-
-    job = OmegaConf.masked_copy(composed, [k for k in composed if k != "hydra"])
-    if launching:
-        job.nproc = 1  # checked just below against the world it will have
-        check_distributed(composed, world=launching)
-    validate(job)
-
-
-def _arg_value(args: list[str], key: str) -> str | None:
-    """The last ``key=value`` on the command line (the one Hydra applies)."""
-    found = [a.split("=", 1)[1] for a in args if a.startswith(f"{key}=")]
-    return found[-1] if found else None
-
-
-def _hydra_dirs(args: list[str]) -> tuple[str, str]:
-    """hydra.run.dir and hydra.sweep.dir resolved once, here: their ``${now:...}`` is read
-    at this moment, so every rank handed these strings writes into the same folder."""
-    from hydra import compose, initialize_config_dir
-
-    plain = [a for a in args if not a.startswith("-")]
-    with initialize_config_dir(config_dir=config_dir(), version_base="1.3", job_name="train"):
-        try:
-            cfg = compose("train", overrides=plain, return_hydra_config=True)
-        except Exception:  # noqa: BLE001 - a sweep's a=1,2 does not compose; the dirs need only hydra.*
-            cfg = compose("train", overrides=[a for a in plain if a.startswith("hydra.")], return_hydra_config=True)
-        return str(cfg.hydra.run.dir), str(cfg.hydra.sweep.dir)
-
-
-def _quoted(value: str) -> str:
-    """A path as a Hydra override value (quoted, so ``=``, ``,`` or spaces stay literal)."""
-    return f"'{value}'" if "'" not in value else value
-
-
-def _dir_overrides(run_dir: str, sweep_dir: str) -> list[str]:
-    return [f"hydra.run.dir={_quoted(run_dir)}", f"hydra.sweep.dir={_quoted(sweep_dir)}"]
-
-
-# Ranks other than 0 write nothing and print only warnings and errors: no .hydra/, no
-# log file, no sweep summary (rank 0 writes each once, into the folder all ranks share).
-QUIET_RANK = [
-    "hydra.output_subdir=null",
-    "~hydra.job_logging.handlers.file",
-    "hydra.job_logging.root.handlers=[console]",
-    "hydra.job_logging.root.level=WARNING",
-    "hydra.hydra_logging.root.level=WARNING",
-    "~hydra.callbacks.sweep_summary",
-]
-
-
-def _torchrun(nproc: int, train_args: list[str]) -> int:
-    """``perfrun train TRAIN_ARGS`` as ``nproc`` ranks of a local torchrun; its exit code.
-    SIGTERM is passed on (torchrun forwards it to the ranks); Ctrl-C reaches the ranks
-    directly, and they stop themselves, so this process just waits for them."""
-    import signal
-    import subprocess
-
-    cmd = [sys.executable, "-m", "perfrun.launch", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "perfrun", "train", *train_args]
-    proc = subprocess.Popen(cmd)
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: proc.send_signal(signum))
-    try:
-        while True:
-            try:
-                return proc.wait()
-            except KeyboardInterrupt:
-                continue
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def _launch_torchrun(args: list[str], nproc: int) -> int:
-    """``perfrun train distributed=ddp nproc=N``: start N ranks through torchrun, with the
-    run dir (and sweep dir) resolved once here and handed to all of them."""
-    return _torchrun(nproc, [*args, *_dir_overrides(*_hydra_dirs(args))])
-
-
-def _torchrun_job(cfg: Any, overrides: list[str], run_dir: Path) -> int:
-    """A sweep job with ``nproc`` > 1: this job starts its own torchrun, whose ranks write
-    into the job's folder (rank 0 its summary.json, which the sweep summary reads). So a
-    sweep can vary nproc and distributed, and each job can go to a cluster node whole."""
-    from perfrun.atomic import write_json
-    from perfrun.config import ConfigError
-
-    def no_summary(status: str, reason: str) -> None:  # the job's row in the sweep summary
-        write_json(run_dir / "summary.json", {"status": status, "reason": reason, "overrides": overrides})
-
-    try:
-        validate_job(cfg, launching=int(cfg.nproc))
-    except ConfigError as e:
-        no_summary("failed", str(e))
-        raise
-    code = _torchrun(int(cfg.nproc), [*_resolved(overrides, cfg), f"hydra.run.dir={_quoted(str(run_dir))}",
-                                      "hydra.output_subdir=null"])
-    if code != 0 and not (run_dir / "summary.json").exists():  # the ranks died before writing one
-        no_summary("interrupted" if code in (130, 143) else "failed",
-                   f"its {cfg.nproc} ranks exited with code {code} before writing a summary; "
-                   f"see {run_dir / 'train.log'} and the console")
-    return code
-
-
-def _resolved(overrides: list[str], cfg: Any) -> list[str]:
-    """The job's overrides for its torchrun, with interpolations replaced by their values in
-    this job: ``nproc=${hydra:launcher.gpus_per_node}`` means this job's launcher, which
-    the ranks (composing with Hydra's basic launcher) do not have."""
-    from omegaconf import OmegaConf
-
-    out = []
-    for override in overrides:
-        key, sep, value = override.partition("=")
-        if not sep or not ("${" in value or "$\\{" in value) or key.startswith(("~", "hydra")):  # as typed, or as Hydra escapes it
-            out.append(override)
-            continue
-        v = OmegaConf.select(cfg, key.lstrip("+"))
-        if isinstance(v, bool) or v is None:
-            out.append(f"{key}={'null' if v is None else str(v).lower()}")
-        elif isinstance(v, int | float):
-            out.append(f"{key}={v}")
-        elif isinstance(v, str):
-            out.append(f"{key}={_quoted(v)}")
-        else:
-            out.append(override)
-    return out
-
-
-def _join_torchrun(args: list[str], composed: Any) -> list[str]:
-    """Under torchrun: make the process group now, before Hydra, so that rank 0 can hand
-    every rank its run dir; ranks other than 0 are quietened. Returns the extra overrides."""
-    import torch
-
-    from perfrun import distributed
-
-    cpu = str(composed.device if composed is not None else _arg_value(args, "device")) == "cpu"
-    distributed.init_from_env("cuda" if torch.cuda.is_available() and not cpu else "cpu")
-    dirs: tuple[str, str] | None = None
-    if distributed.rank() == 0:
-        try:
-            dirs = _hydra_dirs(args)
-        except Exception:  # noqa: BLE001 - reported below, on every rank, instead of a hang
-            dirs = None
-    dirs = distributed.from_rank0(dirs)
-    if dirs is None:
-        raise SystemExit("perfrun: error: rank 0 could not resolve hydra.run.dir; run perfrun train --cfg hydra")
-    return _dir_overrides(*dirs) + (QUIET_RANK if distributed.rank() != 0 else [])
+    chosen = arg_value(args, "logger") or ""
+    return next((m for m in map(missing_package, chosen.split(",")) if m), None)
 
 
 def _multirun(args: list[str]) -> bool:
@@ -285,21 +194,25 @@ def _unwritable(run_dir: Path) -> str | None:
 def train_main(args: list[str]) -> int:
     """Run the Hydra app with ``args`` as its command line; with ``distributed=ddp
     nproc=N`` start torchrun instead, and under torchrun agree on the run dir first."""
+    if any(a in COMPLETION_FLAGS for a in args):
+        return _shell_completion(args)
+    if "--json" in args:
+        return _train_json([a for a in args if a != "--json"])
     from perfrun.config import ConfigError, check_distributed, register_configs
 
     register_configs()
-    launcher = _launcher_problem(args)
-    if launcher is not None:
-        error(launcher)
+    problem = _launcher_problem(args) or _logger_problem(args)
+    if problem is not None:
+        error(problem)
         return 2
     problem, composed = _preflight(args)
     if problem is not None:
         error(problem)
         return 2
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = world_size()
     try:
-        distributed = composed.distributed if composed is not None else _arg_value(args, "distributed")
-        nproc = composed.nproc if composed is not None else _arg_value(args, "nproc")
+        distributed = composed.distributed if composed is not None else arg_value(args, "distributed")
+        nproc = composed.nproc if composed is not None else arg_value(args, "nproc")
     except Exception as e:  # noqa: BLE001 - e.g. nproc=${hydra:launcher.gpus_per_node} outside a sweep job
         error(f"distributed or nproc cannot be resolved here ({first_line(e, 10**6)}); ${{hydra:launcher...}} is known only in "
                "the jobs of a sweep (perfrun train -m hydra/launcher=slurm ...): give a number")
@@ -316,7 +229,7 @@ def train_main(args: list[str]) -> int:
                 error(str(e))
             return 2
     if world == 1 and several and not _multirun(args):  # a sweep's jobs start their own torchrun
-        return _launch_torchrun(args, int(nproc))
+        return launch_ranks(args, int(nproc))
     if world > 1:
         if distributed not in PARALLEL:
             error(f"torchrun started {world} processes but distributed={distributed}; add distributed=ddp")
@@ -324,10 +237,39 @@ def train_main(args: list[str]) -> int:
         from perfrun import distributed as dist
 
         try:
-            return _run_app(args + _join_torchrun(args, composed))
+            return _run_app(args + join_rank_group(args, composed))
         finally:
             dist.destroy()
     return _run_app(args)
+
+
+def _train_json(args: list[str]) -> int:
+    """``perfrun train --json ...``: the log on stderr, then on stdout the run's summary.json
+    as one JSON object (a sweep: a list, one per job, in job order). The run dir is fixed
+    here, before the run, so that it is found again whatever launches the jobs."""
+    try:
+        run_dir, sweep_dir = hydra_dirs(args)
+    except Exception:  # noqa: BLE001 - the run reports what is wrong with the command line
+        run_dir = sweep_dir = None
+    pinned = args + (dir_overrides(run_dir, sweep_dir) if run_dir and sweep_dir else [])
+    with contextlib.redirect_stdout(sys.stderr):
+        code = train_main(pinned)
+    if run_dir is None or sweep_dir is None or os.environ.get("RANK", "0") != "0":
+        return code
+    from perfrun.summary import SUMMARY_FILE, read_summary
+
+    if _multirun(args):
+        files = sorted(Path(sweep_dir).rglob(SUMMARY_FILE),
+                       key=lambda p: [int(x) if x.isdigit() else x for x in p.relative_to(sweep_dir).parts])
+        print(json.dumps([read_summary(f) for f in files], indent=2))
+    elif (Path(run_dir) / SUMMARY_FILE).is_file():
+        print(json.dumps(read_summary(Path(run_dir)), indent=2))
+    return code
+
+
+def _contents(run_dir: Path) -> str:
+    return ", ".join(p.name + ("/" if p.is_dir() else "") for p in sorted(run_dir.iterdir())
+                     if not p.name.startswith("."))
 
 
 def _run_app(args: list[str]) -> int:
@@ -337,9 +279,13 @@ def _run_app(args: list[str]) -> int:
     from hydra.types import RunMode
     from omegaconf import DictConfig
 
-    from perfrun.config import ConfigError
+    from perfrun.config import ConfigError, register_configs
     from perfrun.guards import Interrupted
+    from perfrun.telemetry.sinks import shown_path
     from perfrun.train import RunFailed, run
+
+    register_configs()
+    _register_help()
 
     @hydra.main(version_base="1.3", config_path=config_dir(), config_name="train")
     def app(cfg: DictConfig) -> None:
@@ -347,14 +293,18 @@ def _run_app(args: list[str]) -> int:
         run_dir = Path(hc.runtime.output_dir)
         overrides = list(hc.overrides.task)
         try:
-            if cfg.distributed in PARALLEL and cfg.nproc > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
-                code = _torchrun_job(cfg, overrides, run_dir)
+            if cfg.distributed in PARALLEL and cfg.nproc > 1 and world_size() == 1:
+                code = run_sweep_job_on_ranks(cfg, overrides, run_dir)
                 if code in (130, 143):  # the ranks were stopped by a signal: so is the sweep
                     raise SystemExit(code)
                 if code != 0:  # the ranks have printed why
                     raise RunFailed(f"its {cfg.nproc} ranks exited with code {code}; see {run_dir / 'train.log'}")
             else:
-                run(cfg, run_dir, overrides=overrides)
+                log.info(f"run dir {shown_path(run_dir)}")
+                try:
+                    run(cfg, run_dir, overrides=overrides)
+                finally:
+                    log.info(f"run dir {shown_path(run_dir)}: {_contents(run_dir)}")
         except (ConfigError, RunFailed) as e:
             error(str(e))
             if hc.mode == RunMode.MULTIRUN:
@@ -368,8 +318,8 @@ def _run_app(args: list[str]) -> int:
     sweep_dir = None
     if _multirun(args):  # resolved once, here, so that the sweep's jobs can be read back from it
         try:
-            sweep_dir = _hydra_dirs(args)[1]
-            args = [*args, f"hydra.sweep.dir={_quoted(sweep_dir)}"]
+            sweep_dir = hydra_dirs(args)[1]
+            args = [*args, f"hydra.sweep.dir={quoted(sweep_dir)}"]
         except Exception:  # noqa: BLE001 - a bad hydra.* override: Hydra reports it just below
             sweep_dir = None
     saved = sys.argv
@@ -383,6 +333,29 @@ def _run_app(args: list[str]) -> int:
     if _FAILED_JOBS:
         error(f"{len(_FAILED_JOBS)} job(s) of the sweep failed: " + "; ".join(_FAILED_JOBS))
         return 1
+    return 0
+
+
+def _shell_completion(args: list[str]) -> int:
+    """Hydra's ``-sc install=bash`` or ``-sc query=bash``: Hydra composes the configuration
+    and answers before calling the app, so this app imports nothing of the trainer."""
+    import hydra
+
+    from perfrun.config import register_configs
+
+    register_configs()
+    _register_help()
+
+    @hydra.main(version_base="1.3", config_path=config_dir(), config_name="train")
+    def complete(cfg: Any) -> None:
+        raise SystemExit(f"perfrun: error: {' '.join(args)} is not a shell-completion command")
+
+    saved = sys.argv
+    sys.argv = ["perfrun"] + args
+    try:
+        complete()
+    finally:
+        sys.argv = saved
     return 0
 
 
@@ -409,12 +382,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"perfrun {__version__}")
         return 0
     command, rest = argv[0], argv[1:]
-    if command in ("-sc", "--shell-completion"):
+    if command in COMPLETION_FLAGS:
         if any(a.startswith("query=") for a in rest):
             done = _complete_subcommand()
             if done is not None:
                 return done
-        return train_main(argv)
+        return _shell_completion(argv)
     if command == "train":
         return train_main(rest)
     if command in _MODULES:

@@ -149,6 +149,20 @@ class ProfilerConfig:
 
 
 @dataclass
+class LoggerConfig:
+    """The experiment logger (perfrun/telemetry/loggers.py); metrics.jsonl is written either way."""
+
+    name: str = "none"  # none | tensorboard | wandb | mlflow
+    project: str = "perfrun"  # W&B's project; MLflow's experiment outside a sweep
+    group: str | None = None  # None: a sweep's jobs share their sweep dir as group (MLflow: experiment)
+    run_name: str | None = None  # None: the run dir's date/time, or a sweep job's number and overrides
+    # None: <run dir>/tensorboard, <run dir>/wandb, or an MLflow file store in <sweep or run dir>/mlruns;
+    # for MLflow also a tracking URI (sqlite:///..., http://...)
+    dir: str | None = None
+    mode: str = "auto"  # W&B: auto (online when this machine is logged in, else offline) | online | offline
+
+
+@dataclass
 class TrainConfig:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
@@ -181,6 +195,7 @@ class TrainConfig:
     distributed: str = "none"  # none | ddp | fsdp
     fsdp: FsdpOptions = field(default_factory=FsdpOptions)
     nproc: int = 1  # ddp, fsdp: processes on this machine; perfrun train starts torchrun for nproc > 1
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
 
 
 def config_dir() -> str:

@@ -1,23 +1,192 @@
-"""``python -m perfrun.launch TORCHRUN_ARGS``: torchrun (``torch.distributed.run``), whose
-failures read as the ranks' own one-line errors and exit code.
+"""Several processes per job: ``perfrun train distributed=ddp nproc=N`` starts torchrun,
+a sweep job with ``nproc`` > 1 starts its own, and a rank started by torchrun joins its
+group before Hydra so that every rank writes into the one run dir that rank 0 resolved.
 
-torchrun itself reports a failed rank with a page (ChildFailedError, its traceback and
-an error table) after the rank has already printed its one line; this wrapper keeps the
-rank's line and code and drops the page. Everything else is torchrun's own code.
+``python -m perfrun.launch TORCHRUN_ARGS`` is torchrun (``torch.distributed.run``) whose
+failures read as the ranks' own one-line errors and exit code: torchrun itself reports a
+failed rank with a page (ChildFailedError, its traceback and an error table) after the
+rank has already printed its one line; :func:`main` keeps the rank's line and code and
+drops the page. Everything else is torchrun's own code. torch is imported only where a
+process is about to use it, so ``perfrun`` starts (and completes a Tab) without it.
 """
 
 from __future__ import annotations
 
-import logging
+import os
 import signal
 import sys
+from pathlib import Path
+from typing import Any
 
-from torch.distributed.elastic.multiprocessing.api import SignalException
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.run import parse_args, run
+from perfrun.config import config_dir
+
+# Ranks other than 0 write nothing and print only warnings and errors: no .hydra/, no
+# log file, no sweep summary (rank 0 writes each once, into the folder all ranks share).
+QUIET_RANK = [
+    "hydra.output_subdir=null",
+    "~hydra.job_logging.handlers.file",
+    "hydra.job_logging.root.handlers=[console]",
+    "hydra.job_logging.root.level=WARNING",
+    "hydra.hydra_logging.root.level=WARNING",
+    "~hydra.callbacks.sweep_summary",
+]
+
+
+def arg_value(args: list[str], key: str) -> str | None:
+    """The last ``key=value`` on the command line (the one Hydra applies)."""
+    found = [a.split("=", 1)[1] for a in args if a.startswith(f"{key}=")]
+    return found[-1] if found else None
+
+
+def quoted(value: str) -> str:
+    """A string as a Hydra override value (quoted, so ``=``, ``,`` or spaces stay literal)."""
+    return f"'{value}'" if "'" not in value else value
+
+
+def hydra_dirs(args: list[str]) -> tuple[str, str]:
+    """hydra.run.dir and hydra.sweep.dir resolved once, here: their ``${now:...}`` is read
+    at this moment, so every process handed these strings writes into the same folder."""
+    from hydra import compose, initialize_config_dir
+
+    from perfrun.config import register_configs
+
+    register_configs()
+    plain = [a for a in args if not a.startswith("-")]
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3", job_name="train"):
+        try:
+            cfg = compose("train", overrides=plain, return_hydra_config=True)
+        except Exception:  # noqa: BLE001 - a sweep's a=1,2 does not compose; the dirs need only hydra.*
+            cfg = compose("train", overrides=[a for a in plain if a.startswith("hydra.")], return_hydra_config=True)
+        return str(cfg.hydra.run.dir), str(cfg.hydra.sweep.dir)
+
+
+def dir_overrides(run_dir: str, sweep_dir: str) -> list[str]:
+    """The overrides that pin both folders to the values resolved by :func:`hydra_dirs`."""
+    return [f"hydra.run.dir={quoted(run_dir)}", f"hydra.sweep.dir={quoted(sweep_dir)}"]
+
+
+def validate_job(composed: Any, launching: int | None = None) -> None:
+    """The job's configuration without Hydra's own node, checked as run() will check it;
+    ``launching``: as the ranks of the torchrun of that many processes about to start."""
+    from omegaconf import OmegaConf
+
+    from perfrun.config import check_distributed, validate
+
+    job = OmegaConf.masked_copy(composed, [k for k in composed if k != "hydra"])
+    if launching:
+        job.nproc = 1  # checked just below against the world it will have
+        check_distributed(composed, world=launching)
+    validate(job)
+
+
+def run_torchrun(nproc: int, train_args: list[str]) -> int:
+    """``perfrun train TRAIN_ARGS`` as ``nproc`` ranks of a local torchrun; its exit code.
+    SIGTERM is passed on (torchrun forwards it to the ranks); Ctrl-C reaches the ranks
+    directly, and they stop themselves, so this process just waits for them. The ranks
+    print where this process prints: on stderr while ``perfrun train --json`` keeps
+    stdout for the summary."""
+    import subprocess
+
+    cmd = [sys.executable, "-m", "perfrun.launch", "--standalone", f"--nproc_per_node={nproc}",
+           "-m", "perfrun", "train", *train_args]
+    proc = subprocess.Popen(cmd, stdout=sys.stderr if sys.stdout is sys.stderr else None)
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: proc.send_signal(signum))
+    try:
+        while True:
+            try:
+                return proc.wait()
+            except KeyboardInterrupt:
+                continue
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def launch_ranks(args: list[str], nproc: int) -> int:
+    """``perfrun train distributed=ddp nproc=N``: start N ranks through torchrun, with the
+    run dir (and sweep dir) resolved once here and handed to all of them."""
+    return run_torchrun(nproc, [*args, *dir_overrides(*hydra_dirs(args))])
+
+
+def run_sweep_job_on_ranks(cfg: Any, overrides: list[str], run_dir: Path) -> int:
+    """A sweep job with ``nproc`` > 1: this job starts its own torchrun, whose ranks write
+    into the job's folder (rank 0 its summary.json, which the sweep summary reads). So a
+    sweep can vary nproc and distributed, and each job can go to a cluster node whole.
+    The ranks see a single run, so the job's logger names (its sweep's group) go with them."""
+    from perfrun.atomic import write_json
+    from perfrun.config import ConfigError
+    from perfrun.telemetry.loggers import sweep_job_names
+
+    def no_summary(status: str, reason: str) -> None:  # the job's row in the sweep summary
+        write_json(run_dir / "summary.json", {"status": status, "reason": reason, "overrides": overrides})
+
+    try:
+        validate_job(cfg, launching=int(cfg.nproc))
+    except ConfigError as e:
+        no_summary("failed", str(e))
+        raise
+    names = [f"{key}={quoted(value)}" for key, value in sweep_job_names(cfg, run_dir).items()]
+    code = run_torchrun(int(cfg.nproc), [*_resolved(overrides, cfg), *names, f"hydra.run.dir={quoted(str(run_dir))}",
+                                         "hydra.output_subdir=null"])
+    if code != 0 and not (run_dir / "summary.json").exists():  # the ranks died before writing one
+        no_summary("interrupted" if code in (130, 143) else "failed",
+                   f"its {cfg.nproc} ranks exited with code {code} before writing a summary; "
+                   f"see {run_dir / 'train.log'} and the console")
+    return code
+
+
+def _resolved(overrides: list[str], cfg: Any) -> list[str]:
+    """The job's overrides for its torchrun, with interpolations replaced by their values in
+    this job: ``nproc=${hydra:launcher.gpus_per_node}`` means this job's launcher, which
+    the ranks (composing with Hydra's basic launcher) do not have."""
+    from omegaconf import OmegaConf
+
+    out = []
+    for override in overrides:
+        key, sep, value = override.partition("=")
+        if not sep or not ("${" in value or "$\\{" in value) or key.startswith(("~", "hydra")):  # as typed, or as Hydra escapes it
+            out.append(override)
+            continue
+        v = OmegaConf.select(cfg, key.lstrip("+"))
+        if isinstance(v, bool) or v is None:
+            out.append(f"{key}={'null' if v is None else str(v).lower()}")
+        elif isinstance(v, int | float):
+            out.append(f"{key}={v}")
+        elif isinstance(v, str):
+            out.append(f"{key}={quoted(v)}")
+        else:
+            out.append(override)
+    return out
+
+
+def join_rank_group(args: list[str], composed: Any) -> list[str]:
+    """Under torchrun: make the process group now, before Hydra, so that rank 0 can hand
+    every rank its run dir; ranks other than 0 are quietened. Returns the extra overrides."""
+    import torch
+
+    from perfrun import distributed
+
+    cpu = str(composed.device if composed is not None else arg_value(args, "device")) == "cpu"
+    distributed.init_from_env("cuda" if torch.cuda.is_available() and not cpu else "cpu")
+    dirs: tuple[str, str] | None = None
+    if distributed.rank() == 0:
+        try:
+            dirs = hydra_dirs(args)
+        except Exception:  # noqa: BLE001 - reported below, on every rank, instead of a hang
+            dirs = None
+    dirs = distributed.from_rank0(dirs)
+    if dirs is None:
+        raise SystemExit("perfrun: error: rank 0 could not resolve hydra.run.dir; run perfrun train --cfg hydra")
+    return dir_overrides(*dirs) + (QUIET_RANK if distributed.rank() != 0 else [])
 
 
 def main(argv: list[str] | None = None) -> int:
+    """torchrun with the ranks' own one-line failure (see the module's docstring)."""
+    import logging
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
     for name in ("torch.distributed", "torch.distributed.run"):  # its OMP_NUM_THREADS banner
         logging.getLogger(name).setLevel(logging.ERROR)
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # its failure page
@@ -33,6 +202,11 @@ def main(argv: list[str] | None = None) -> int:
     except SignalException as e:  # torchrun was stopped; it has forwarded the signal to the ranks
         return 128 + int(e.sigval)
     return 0
+
+
+def world_size() -> int:
+    """The number of processes torchrun started for this job (1 when it did not)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ from perfrun.knobs import Plan, apply_knobs
 from perfrun.model import GPT, GPTConfig, padded_vocab
 from perfrun.optim import build_optimizer, build_scheduler
 from perfrun.pretrained import init_from
+from perfrun.telemetry.loggers import build_sinks
 from perfrun.telemetry.profiling import attach_profiler, dump_memory_snapshot, start_memory_history
 from perfrun.telemetry.sinks import ConsoleReporter, JsonlSink
 from perfrun.telemetry.throughput import PhaseTimer, StepTimer, Throughput, median
@@ -591,7 +592,7 @@ def run(cfg: Any, run_dir: Path | None, *, overrides: list[str] | None = None) -
     t_start = time.perf_counter()
     state_at_start = global_state()
     summary: dict[str, Any] = {"status": "running", "overrides": list(overrides or []), "rank": rank, "world_size": world}
-    sink = JsonlSink(run_dir / "metrics.jsonl" if (main and run_dir is not None) else None)
+    sink = build_sinks(cfg, run_dir, rank)  # metrics.jsonl and the experiment logger, on rank 0
     monitor = None
     device: torch.device | None = None
     try:
@@ -632,7 +633,8 @@ def run(cfg: Any, run_dir: Path | None, *, overrides: list[str] | None = None) -
 
                 monitor = Monitor(device, cfg.monitor)
                 monitor.start()
-            with ConsoleReporter(cfg.progress, cfg.max_steps, enabled=main) as reporter:
+            with ConsoleReporter(cfg.progress, cfg.max_steps, enabled=main,
+                                 monitor_every=cfg.monitor.every_n_steps) as reporter:
                 try:
                     figures = train_loop(cfg, s, sink, reporter, monitor, start, ckpt_dir, stop)
                 except torch.OutOfMemoryError:
@@ -679,7 +681,6 @@ def run(cfg: Any, run_dir: Path | None, *, overrides: list[str] | None = None) -
     finally:
         if monitor is not None:
             monitor.close()
-        sink.close()
         _release(device)
         summary["global_state_at_start"] = state_at_start
         summary["global_state_after"] = global_state()
@@ -688,6 +689,7 @@ def run(cfg: Any, run_dir: Path | None, *, overrides: list[str] | None = None) -
             summary["config"] = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else cfg
         if main and run_dir is not None:
             write_json(run_dir / "summary.json", summary)
+        sink.close(summary)  # the loggers end their runs with it
         if summary["status"] == "completed":
             _log_summary(summary)
 

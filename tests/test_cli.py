@@ -22,6 +22,9 @@ def test_help_lists_the_commands(tmp_path: Path) -> None:
     r = run_cli("--help", cwd=tmp_path)
     assert r.returncode == 0
     assert "train" in r.stdout and "gpu-check" in r.stdout
+    assert "--version" in r.stdout and "--json" in r.stdout
+    v = run_cli("--version", cwd=tmp_path)
+    assert v.returncode == 0 and v.stdout.startswith("perfrun ")
     bad = run_cli("trian", cwd=tmp_path)
     assert bad.returncode == 2 and "unknown command 'trian'" in bad.stderr and "Traceback" not in bad.stderr
 
@@ -29,6 +32,11 @@ def test_help_lists_the_commands(tmp_path: Path) -> None:
 def test_train_is_a_hydra_app(tmp_path: Path) -> None:
     h = run_cli("train", "--help", cwd=tmp_path)
     assert h.returncode == 0 and "precision: bf16, fp16, none" in h.stdout and "perfrun train" in h.stdout
+    groups = h.stdout.split("== Configuration groups ==")[1].split("== Config ==")[0]
+    assert "logger: mlflow, none, tensorboard, wandb" in groups and "sweep: ablation" in groups
+    assert "ablation:" not in groups  # the presets +sweep=ablation picks are not offered
+    a = run_cli("train", "--cfg", "hydra", "+sweep=ablation", cwd=tmp_path)
+    assert a.returncode == 0 and "+ablation: baseline,bf16,fp16,compile" in a.stdout  # and still work
     c = run_cli("train", "--cfg", "job", "precision=bf16", "compile=true", cwd=tmp_path)
     assert c.returncode == 0 and "dtype: bfloat16" in c.stdout and "compile: true" in c.stdout
     i = run_cli("train", "--info", cwd=tmp_path)
@@ -40,8 +48,12 @@ def test_shell_completion_through_the_subcommand(tmp_path: Path) -> None:
     install = run_cli("train", "-sc", "install=bash", cwd=tmp_path)
     assert install.returncode == 0 and "complete" in install.stdout and "hydra_bash_completion" in install.stdout
     env = {"COMP_LINE": "perfrun train precision=b", "COMP_POINT": "25"}
-    q = run_cli("-sc", "query=bash", cwd=tmp_path, env=env)
+    q = run_cli("-sc", "query=bash", cwd=tmp_path, env={**env, "PYTHONPROFILEIMPORTTIME": "1"})  # -X importtime
     assert q.returncode == 0 and "precision=bf16" in q.stdout.split()
+    imported = [line.split("|")[-1].strip() for line in q.stderr.splitlines() if line.startswith("import time:")]
+    assert "hydra" in imported and "torch" not in imported  # a Tab composes the config, never imports torch
+    keys = run_cli("-sc", "query=bash", cwd=tmp_path, env={"COMP_LINE": "perfrun train logger.mo", "COMP_POINT": "23"})
+    assert keys.stdout.split() == ["logger.mode="]
     sub = run_cli("-sc", "query=bash", cwd=tmp_path, env={"COMP_LINE": "perfrun gp", "COMP_POINT": "10"})
     assert sub.stdout.split() == ["gpu-check"]
 
@@ -56,6 +68,19 @@ def test_plain_run_writes_its_run_dir(tmp_path: Path) -> None:
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     assert sum(json.loads(line)["kind"] == "train" for line in lines) == 5
     assert "step 50/50" in r.stdout and "tok/s" in r.stdout  # plain lines when not a terminal
+
+
+def test_train_json_prints_the_summary_on_stdout(tmp_path: Path) -> None:
+    r = run_cli("train", "--json", "device=cpu", "max_steps=10", *TINY_MODEL, "eval_batches=2", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    (run_dir,) = [p.parent for p in (tmp_path / "outputs").rglob("summary.json")]
+    assert json.loads(r.stdout) == json.loads((run_dir / "summary.json").read_text())  # stdout is the JSON alone
+    assert "step 10/10" in r.stderr and f"run dir {run_dir.relative_to(tmp_path)}" in r.stderr  # the log, on stderr
+    sweep = run_cli("train", "--json", "-m", "device=cpu", "max_steps=2", *TINY_MODEL, "eval_batches=1", "seed=1,2",
+                    "hydra.sweep.dir=sweep", cwd=tmp_path)
+    assert sweep.returncode == 0, sweep.stderr
+    jobs = json.loads(sweep.stdout)
+    assert [j["config"]["seed"] for j in jobs] == [1, 2] and [j["status"] for j in jobs] == ["completed"] * 2
 
 
 def test_gpt2_with_checkpointing_and_accumulation(tmp_path: Path) -> None:

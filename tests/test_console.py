@@ -1,0 +1,129 @@
+"""The console as a person reads it: one line per log point that fits 80 columns, the GPU's
+figures folded into it, one timestamp style for perfrun's and Hydra's lines, on a terminal
+and piped, and the run dir said at the start and the end of a run."""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import pty
+import re
+import struct
+import subprocess
+import sys
+import termios
+from fcntl import ioctl
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from perfrun.telemetry.sinks import TIME_WIDTH, ConsoleReporter, gpu_parts, step_line
+
+from conftest import REPO, TINY, run_cli
+
+TIMED = re.compile(r"^\d\d:\d\d:\d\d \S")  # "06:12:01 message"
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07")
+
+
+def record(step: int = 4000, max_steps: int = 5000, mfu: float | None = 0.452, mem: float | None = 46_182.0) -> dict:
+    return {"kind": "train", "step": step, "max_steps": max_steps, "loss": 3.11694, "lr": 6e-4, "grad_norm": 0.913,
+            "step_time_ms": 412.3, "tokens_per_s": 1_234_567.0, "mfu": mfu, "data_wait_pct": 0.31, "peak_mem_mib": mem}
+
+
+GPU = {"gpu_util_pct_mean": 98.2, "power_w_mean": 689.6, "temp_c_max": 71.0, "host_cpu_pct_mean": 12.0, "rss_mib_max": 2100.0}
+
+
+def test_the_step_line_fits_80_columns_with_the_gpu_folded_in() -> None:
+    width = 80 - TIME_WIDTH
+    line = step_line(record(), width, gpu_parts(GPU))
+    assert len(line) <= width
+    assert line.startswith("step 4000/5000 loss 3.117 1.23M tok/s MFU 45% mem 45G GPU 98% 690W 71C"), line
+    worst = step_line(record(step=123_456, max_steps=200_000), width, gpu_parts(None, [{**GPU, "rank": 0}, {
+        **GPU, "gpu_util_pct_mean": 91.0, "power_w_mean": 650.0, "temp_c_max": 77.0, "rank": 1}]))
+    assert len(worst) <= width and "GPU 91-98%" in worst  # several ranks: the range over them
+
+
+def test_a_wide_console_gets_every_figure_and_a_cpu_the_data_wait() -> None:
+    wide = step_line(record(), 160 - TIME_WIDTH, gpu_parts(GPU))
+    for part in ("GPU 98%", "690W", "71C", "data-wait 0.3%", "412.3 ms/step", "lr 6.00e-04", "gnorm 0.91"):
+        assert part in wide
+    cpu = step_line(record(step=40, max_steps=600, mfu=None, mem=419.0), 80 - TIME_WIDTH)
+    assert cpu.startswith("step 40/600 loss 3.117 1.23M tok/s data-wait 0.3% mem 419M") and len(cpu) <= 80 - TIME_WIDTH
+    assert "GPU" not in cpu and "host" not in cpu and "RSS" not in cpu
+
+
+def test_the_reporter_waits_for_the_monitor_sample_of_its_step(caplog: pytest.LogCaptureFixture) -> None:
+    console = Console(file=io.StringIO(), width=80)
+    throttled = {**GPU, "throttle_reasons": ["gpu_idle", "sw_power_cap"]}  # idle is no slowdown
+    with caplog.at_level(logging.INFO, logger="perfrun"), ConsoleReporter(
+            "plain", 5000, console=console, monitor_every=10) as reporter:
+        reporter.train(record(step=10))
+        assert caplog.messages == []  # held until this step's GPU sample
+        reporter.monitor(10, GPU)
+        reporter.train(record(step=15))  # no sample at step 15: printed at once, with the latest figures
+        reporter.monitor(20, throttled)
+        reporter.monitor(30, throttled)  # still held down: said once
+        reporter.monitor(40, GPU)
+    lines = caplog.messages
+    assert lines[0].startswith("step 10/5000") and "GPU 98% 690W 71C" in lines[0]
+    assert lines[1].startswith("step 15/5000") and "GPU 98%" in lines[1]
+    assert lines[2:] == ["step 20: GPU clocks held down (sw_power_cap)", "step 40: GPU clocks no longer held down"]
+    assert all(len(line) <= 80 - TIME_WIDTH for line in lines[:2])
+
+
+def test_a_piped_run_prints_timed_lines_that_fit_and_says_where_its_files_are(tmp_path: Path) -> None:
+    r = run_cli("train", *TINY, "progress=auto", "monitor.every_n_steps=5", cwd=tmp_path, env={"COLUMNS": "80"})
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    (run_dir,) = [p.parent for p in tmp_path.rglob("summary.json")]
+    shown = str(run_dir.relative_to(tmp_path))
+    assert lines[0].endswith(f"run dir {shown}")
+    assert lines[-1].endswith(f"run dir {shown}: checkpoints/, metrics.jsonl, summary.json, train.log")
+    assert all(TIMED.match(line) for line in lines), r.stdout
+    steps = [line for line in lines if re.search(r" step \d+/30 loss ", line)]
+    assert len(steps) == 6 and all(len(line) <= 80 for line in steps)  # every 5 of 30 steps, one line each
+    assert not any("monitor step" in line or "host CPU" in line for line in lines)  # a CPU's samples stay in the file
+    monitor = [line for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"monitor"' in line]
+    assert len(monitor) == 6
+
+
+def test_hydra_lines_and_ours_share_one_timestamp_style(tmp_path: Path) -> None:
+    r = run_cli("train", "-m", *TINY, "max_steps=2", "seed=1,2", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    hydra = [line for line in lines if "Launching 2 jobs locally" in line or " : " in line]
+    assert len(hydra) == 3 and all(re.match(r"^\d\d:\d\d:\d\d\s", line) for line in hydra), r.stdout
+    assert not any("[HYDRA]" in line for line in lines)
+
+
+def test_on_an_80_column_terminal_each_log_point_is_one_line(tmp_path: Path) -> None:
+    """A real pseudo-terminal 80 columns wide: rich draws the progress bar, and every step
+    line stays on one line (rich would wrap a longer one under its time column)."""
+    master, slave = pty.openpty()
+    ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 80, 0, 0))
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    env.update(PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p), TERM="xterm-256color")
+    args = [a for a in TINY if not a.startswith("progress=")]
+    proc = subprocess.Popen([sys.executable, "-m", "perfrun", "train", *args, "progress=auto"], cwd=tmp_path, env=env,
+                            stdin=slave, stdout=slave, stderr=slave)
+    os.close(slave)
+    out = b""
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # the terminal closed: the process has exited
+            break
+        if not chunk:
+            break
+        out += chunk
+    os.close(master)
+    assert proc.wait(timeout=240) == 0, out.decode(errors="replace")
+    text = ANSI.sub("", out.decode(errors="replace")).replace("\r", "\n")
+    lines = [line.rstrip() for line in text.split("\n") if line.strip()]
+    steps = [i for i, line in enumerate(lines) if re.match(r"^\d\d:\d\d:\d\d step \d+/30 loss", line)]
+    assert len(steps) == 6, text
+    for i in steps:
+        assert len(lines[i]) <= 80 and not lines[i + 1].startswith(" " * TIME_WIDTH)  # no wrapped remainder
+    assert any(line.startswith("train ") and "/30" in line for line in lines)  # the progress bar
