@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from perfrun import checkpoint
+from perfrun import checkpoint_files as checkpoint
 from perfrun.config import ConfigError
 from perfrun.console import first_line
 from perfrun.data import BYTE_VOCAB

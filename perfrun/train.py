@@ -23,9 +23,10 @@ import psutil
 import torch
 from omegaconf import OmegaConf
 
-from perfrun import checkpoint, distributed
+from perfrun import checkpoint_files as checkpoint
+from perfrun import distributed
 from perfrun.atomic import write_json
-from perfrun.checkpoint import capture_rng, restore_rng
+from perfrun.checkpoint_files import capture_rng, restore_rng
 from perfrun.config import ConfigError, validate
 from perfrun.data import build_datasets, build_loader
 from perfrun.devices import resolve_device
@@ -36,7 +37,7 @@ from perfrun.model import GPT, GPTConfig, padded_vocab
 from perfrun.optim import build_optimizer, build_scheduler
 from perfrun.telemetry.profiling import attach_profiler, dump_memory_snapshot, start_memory_history
 from perfrun.telemetry.sinks import ConsoleReporter, JsonlSink
-from perfrun.telemetry.throughput import PhaseTimer, StepTimer, Throughput, median
+from perfrun.telemetry.step_metrics import PhaseTimer, StepTimer, Throughput, median
 
 log = logging.getLogger("perfrun")
 

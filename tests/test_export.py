@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from perfrun import checkpoint
+from perfrun import checkpoint_files as checkpoint
 from perfrun import export as export_mod
 from perfrun.cli import main as cli_main
 from perfrun.generate import load_model

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from perfrun import checkpoint
+from perfrun import checkpoint_files as checkpoint
 from perfrun.cli import main as cli_main
 from perfrun.generate import Sampler, encode, generate, load_model
 from perfrun.model import GPT, GPTConfig, KVCache

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from perfrun.telemetry.throughput import PHASES
+from perfrun.telemetry.step_metrics import PHASES
 from perfrun.train import run
 
 from conftest import make_cfg

@@ -41,11 +41,11 @@ class Plan:
 
 
 def apply_knobs(cfg: Any, device: torch.device, model: nn.Module, stack: ExitStack) -> Plan:
-    """Apply every knob in a fixed order: backends, precision, checkpointing, ddp or fsdp, compile."""
-    from perfrun.knobs import backends, checkpointing, compile, ddp, fsdp, precision
+    """Apply every knob in a fixed order: backends, precision, activation checkpointing, ddp or fsdp, compile."""
+    from perfrun.knobs import activation_checkpointing, backends, compilation, ddp, fsdp, precision
 
     plan = Plan(model=model, raw_model=model, micro_steps=int(cfg.accumulation.steps))
     plan.notes["accumulation_steps"] = plan.micro_steps
-    for knob in (backends, precision, checkpointing, ddp, fsdp, compile):
+    for knob in (backends, precision, activation_checkpointing, ddp, fsdp, compilation):
         knob.apply(cfg, device, plan, stack)
     return plan
