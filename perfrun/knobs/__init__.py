@@ -16,6 +16,12 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from perfrun import distributed
+
+
+def _no_scaling() -> torch.amp.GradScaler:
+    return torch.amp.GradScaler("cpu", enabled=False)
+
 
 @dataclass
 class Plan:
@@ -24,7 +30,8 @@ class Plan:
     model: nn.Module  # the module the loop calls: maybe checkpointed, maybe compiled
     raw_model: nn.Module  # the plain model: parameters, state_dict, eval
     micro_steps: int = 1
-    scaler: torch.amp.GradScaler | None = None  # fp16 only
+    # fp16's loss scaling; a disabled GradScaler is a pass-through (nanoGPT's way), so no caller branches on it
+    scaler: torch.amp.GradScaler = field(default_factory=_no_scaling)
     contexts: list[Callable[[], AbstractContextManager[Any]]] = field(default_factory=list)
     step_hooks: list[Callable[[int], None]] = field(default_factory=list)  # called after each step (profiler)
     notes: dict[str, Any] = field(default_factory=dict)  # what each knob did, for summary.json
@@ -38,6 +45,35 @@ class Plan:
         for make in self.contexts:
             stack.enter_context(make())
         return stack
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward through the (fp16: scaled) loss."""
+        self.scaler.scale(loss).backward()
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor],
+                       clip: float) -> torch.Tensor:
+        """Unscale (fp16), clip to ``clip``, step (fp16: skipped on inf/NaN gradients) and
+        update the scale. Returns the gradient norm before clipping, as a plain tensor."""
+        self.scaler.unscale_(optimizer)
+        grad_norm = distributed.full_tensor(torch.nn.utils.clip_grad_norm_(params, clip))  # FSDP: a DTensor
+        self.scaler.step(optimizer)
+        self.scaler.update()
+        return grad_norm
+
+    @property
+    def skips_nonfinite_steps(self) -> bool:
+        """fp16: the scaler skips a step whose gradients are not finite."""
+        return self.scaler.is_enabled()
+
+    def loss_scale(self) -> float | None:
+        return self.scaler.get_scale() if self.scaler.is_enabled() else None
+
+    def scaler_state(self) -> dict[str, Any] | None:
+        return self.scaler.state_dict() if self.scaler.is_enabled() else None
+
+    def load_scaler_state(self, state: dict[str, Any] | None) -> None:
+        if self.scaler.is_enabled() and state:
+            self.scaler.load_state_dict(state)
 
 
 def apply_knobs(cfg: Any, device: torch.device, model: nn.Module, stack: ExitStack) -> Plan:

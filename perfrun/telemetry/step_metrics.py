@@ -1,4 +1,5 @@
-"""Step timing, tokens/s and MFU.
+"""Step metrics: step timing, tokens/s, MFU, peak memory and data wait, and the records
+built from them (train, eval, monitor) and the end-of-job figures.
 
 On CUDA each step's end is a recorded event, so per-step times come from the device's
 own timeline without a synchronisation per step; they are read (one synchronisation)
@@ -7,12 +8,24 @@ only when the loop asks for them at a log point. On the CPU, perf_counter is exa
 
 from __future__ import annotations
 
+import logging
+import socket
 import statistics
 import time
 from array import array
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
+from typing import Any
 
+import psutil
 import torch
+
+from perfrun import distributed
+from perfrun.summary import RunSummary
+from perfrun.telemetry.sinks import ConsoleReporter, JsonlSink
+
+log = logging.getLogger("perfrun")
 
 
 def now_mark(cuda: bool):
@@ -147,3 +160,223 @@ class PhaseTimer:
             "share_pct": {p: (100 * v / total if total else None) for p, v in med.items()},
             "steps": len(self.seconds["data"]) - skip,
         }
+
+
+class MemoryTracker:
+    """Peak memory: the CUDA allocator's peak on GPU, sampled process RSS on the CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.device = device
+        self.source = "cuda_max_memory_allocated" if self.cuda else "process_rss_sampled_at_log_steps"
+        self._proc = psutil.Process()
+        self._peak = 0
+
+    def reset(self) -> None:
+        """Start counting from here (the loop's start, after setup and resume)."""
+        self._peak = 0
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peak_mib(self) -> float:
+        if self.cuda:
+            self._peak = torch.cuda.max_memory_allocated(self.device)
+        else:
+            self._peak = max(self._peak, self._proc.memory_info().rss)
+        return self._peak / 2**20
+
+
+@dataclass
+class Cadence:
+    """When the step metrics write: a train record every ``log_every`` steps and at the
+    last; a monitor record every ``monitor_every`` (0: never)."""
+
+    log_every: int
+    max_steps: int
+    monitor_every: int
+    warmup_steps: int  # steps kept out of the summary's speed figures
+
+
+class StepMetrics:
+    """Times every step and turns the times into the records and the summary's figures.
+
+    Every rank measures; the sink and the console write on rank 0 only. Per step it costs
+    a few list appends and (CUDA) recorded events; the synchronising reads happen at log
+    points, before a checkpoint or an evaluation (:meth:`paused`) and at the end.
+    """
+
+    def __init__(self, device: torch.device, throughput: Throughput, cadence: Cadence, sink: JsonlSink,
+                 reporter: ConsoleReporter, *, lr: Callable[[], float], loss_scale: Callable[[], float | None],
+                 compiled: bool) -> None:
+        self.throughput, self.cadence, self.sink, self.reporter = throughput, cadence, sink, reporter
+        self.lr, self.loss_scale, self.compiled = lr, loss_scale, compiled
+        self.timer, self.phases, self.memory = StepTimer(device), PhaseTimer(device), MemoryTracker(device)
+        self.monitor: Any = None
+        self.host_wall: list[float] = []  # per step of this process, index = step - start_step - 1
+        self.data_wait: list[float] = []
+        self.loss_sum = torch.zeros((), device=device)
+        self.grad_norm = torch.zeros((), device=device)  # the last step's, read at log points
+        self.interval_start = 0  # local index where the current log interval starts
+        self.start_step = self.start_tokens = self.tokens = 0
+        self.train_time = 0.0
+        self.last_train_loss: float | None = None
+        self.last_val_loss: float | None = None
+        self.first_step_s: float | None = None
+        self._loop_t0 = self._step_t0 = 0.0
+
+    def start_monitor(self, cfg_monitor: Any, device: torch.device, stack: ExitStack) -> None:
+        """NVML and host sampling in a background thread, when ``monitor.every_n_steps`` > 0."""
+        if self.cadence.monitor_every > 0:
+            from perfrun.telemetry.monitor import Monitor
+
+            self.monitor = Monitor(device, cfg_monitor)
+            self.monitor.start()
+            stack.callback(self.monitor.close)
+
+    def start(self, step: int, tokens: int) -> None:
+        """The loop starts after ``step`` steps and ``tokens`` tokens (a resumed run's)."""
+        self.start_step, self.start_tokens, self.tokens = step, tokens, tokens
+        self.memory.reset()
+        self._loop_t0 = time.perf_counter()
+        self.timer.start()
+
+    def begin_step(self) -> None:
+        self._step_t0 = time.perf_counter()
+        self.phases.begin()
+
+    def end_step(self) -> None:
+        """The step's end on the device's timeline (before any hook runs)."""
+        self.phases.end()
+        self.timer.step_end()
+
+    def record_step(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, data_wait: float) -> None:
+        """Account one finished step: its loss (on the device: no sync), wall time, data wait."""
+        self.loss_sum += loss
+        self.grad_norm = grad_norm
+        self.host_wall.append(time.perf_counter() - self._step_t0)
+        self.data_wait.append(data_wait)
+        if len(self.host_wall) == 1:
+            self.timer.flush()
+            self.first_step_s = time.perf_counter() - self._loop_t0
+        self.reporter.advance(step)
+
+    @property
+    def tokens_done(self) -> int:
+        """Tokens of every rank up to the last step, logged or not (for a checkpoint)."""
+        return self.start_tokens + len(self.host_wall) * self.throughput.tokens_per_step
+
+    def should_log(self, step: int) -> bool:
+        return step % self.cadence.log_every == 0 or step == self.cadence.max_steps
+
+    def log(self, step: int) -> None:
+        """The train record of the interval since the last log point, to the sink and console."""
+        self.timer.flush()
+        self.phases.flush()
+        done, first = len(self.host_wall), self.interval_start
+        n = done - first
+        interval_time = sum(self.timer.durations[first:done])
+        interval_tokens = n * self.throughput.tokens_per_step
+        self.train_time += interval_time
+        self.tokens += interval_tokens
+        tokens_per_s = self.throughput.tokens_per_s(interval_time, n)
+        self.last_train_loss = distributed.mean_over_ranks(self.loss_sum).item() / n  # the global batch's loss
+        wall = sum(self.host_wall[first:done])
+        record = {
+            "kind": "train", "step": step, "max_steps": self.cadence.max_steps, "loss": self.last_train_loss,
+            "lr": self.lr(), "grad_norm": self.grad_norm.item(),
+            "step_time_ms": 1000 * interval_time / n, "tokens_per_s": tokens_per_s,
+            "mfu": self.throughput.mfu(tokens_per_s),
+            "data_wait_pct": 100 * sum(self.data_wait[first:done]) / wall if wall > 0 else 0.0,
+            "peak_mem_mib": self.memory.peak_mib(), "interval_steps": n, "interval_tokens": interval_tokens,
+            "interval_s": interval_time, "tokens": self.tokens, "elapsed_s": time.perf_counter() - self._loop_t0,
+        }
+        scale = self.loss_scale()
+        if scale is not None:
+            record["loss_scale"] = scale
+        self.sink.write(record)
+        self.reporter.train(record)
+        self.loss_sum.zero_()
+        self.interval_start = done
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Evaluation and checkpoint saves stay out of the step times."""
+        self.timer.flush()
+        yield
+        self.timer.start()
+
+    def log_eval(self, step: int, val_loss: float | None) -> None:
+        self.last_val_loss = val_loss
+        self.sink.write({"kind": "eval", "step": step, "val_loss": val_loss})
+        if val_loss is not None:
+            self.reporter.line(f"step {step}: val loss {val_loss:.4f}")
+
+    def should_sample(self, step: int) -> bool:
+        return self.monitor is not None and step % self.cadence.monitor_every == 0
+
+    def sample(self, step: int) -> None:
+        """The monitor's record of the interval: every rank's GPU and host figures, in rank 0's log."""
+        stats = self.monitor.collect(step, None)  # step times attached at the end: no sync here
+        ranks = every_rank(stats)
+        self.sink.write({"kind": "monitor", "step": step, **stats, **({"ranks": ranks} if ranks else {})})
+        self.reporter.monitor(step, stats, ranks)
+
+    def summary(self, step: int) -> RunSummary:
+        """The job's figures: medians over the steady steps (after ``warmup_steps``)."""
+        self.timer.flush()
+        warmup, durations = self.cadence.warmup_steps, self.timer.durations
+        steady, steady_wall = durations[warmup:], self.host_wall[warmup:]
+        if not steady:
+            log.warning(f"no steady-state steps: all {len(durations)} steps ran within timing_warmup_steps={warmup}, "
+                        "so the summary has no tokens/s or MFU; raise max_steps or lower timing_warmup_steps")
+        med = median(steady)
+        tp = self.throughput
+        tokens_per_s = tp.tokens_per_step / med if med else None  # rank 0's step time; all ranks' tokens
+        figures: RunSummary = {
+            "steps": step, "start_step": self.start_step, "tokens": self.tokens, "train_time_s": self.train_time,
+            "first_step_s": self.first_step_s, "step_time_ms_median": 1000 * med if med else None,
+            "steady_steps": len(steady), "tokens_per_s_median": tokens_per_s,
+            "tokens_per_s_mean": tp.tokens_per_s(sum(steady), len(steady)) if steady else None,
+            "tokens_per_s_per_rank_median": tokens_per_s / tp.world if tokens_per_s else None,
+            "world_size": tp.world, "mfu_median": tp.mfu(tokens_per_s) if tokens_per_s else None,
+            "peak_mem_mib": self.memory.peak_mib(), "peak_mem_source": self.memory.source,
+            "data_wait_pct": (100 * sum(self.data_wait[warmup:]) / sum(steady_wall)
+                              if steady_wall and sum(steady_wall) > 0 else None),
+            "compile_s_estimate": (self.first_step_s - med) if (self.compiled and self.first_step_s and med) else None,
+            "final_train_loss": self.last_train_loss, "final_val_loss": self.last_val_loss,
+            "step_breakdown": self.phases.summary(warmup),
+        }
+        if self.monitor is not None:
+            figures.update(self._monitor_summary())
+        return figures
+
+    def _monitor_summary(self) -> RunSummary:
+        """This rank's energy over this rank's tokens; the job's is summed over ranks."""
+        self.monitor.attach_step_times(self.start_step + 1, self.timer.durations, warmup=self.cadence.warmup_steps)
+        self.monitor.close()
+        tokens = self.tokens - self.start_tokens
+        out: RunSummary = {"monitor": self.monitor.summary(tokens // self.throughput.world)}
+        ranks = every_rank(out["monitor"])
+        if ranks:
+            out["monitor_ranks"] = ranks
+            out["monitor_job"] = job_energy(ranks, tokens)
+        return out
+
+
+def every_rank(stats: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """Under several ranks: each rank's ``stats`` tagged with its rank and host, gathered
+    to rank 0 over the host (gloo) group, so no GPU waits; None on other ranks and alone."""
+    if distributed.world_size() == 1:
+        return None
+    return distributed.gather_to_rank0({"rank": distributed.rank(), "host": socket.gethostname(), **stats})
+
+
+def job_energy(ranks: list[dict[str, Any]], tokens: int) -> dict[str, Any]:
+    """The whole job's energy: every rank's GPU, over every rank's tokens."""
+    def total(key: str) -> float | None:  # None unless every rank measured it
+        values = [r.get(key) for r in ranks]
+        return None if any(v is None for v in values) else sum(values)
+
+    energy = total("energy_j")
+    return {"energy_j": energy, "joules_per_token": energy / tokens if energy is not None and tokens > 0 else None,
+            "power_w_mean_sum": total("power_w_mean"), "ranks": len(ranks)}
