@@ -37,7 +37,7 @@ from perfrun.summary import RunSummary
 from perfrun.telemetry.mfu import mfu_dtype, resolve_peak
 from perfrun.telemetry.profiling import attach_profiler, dump_memory_snapshot, start_memory_history
 from perfrun.telemetry.sinks import ConsoleReporter, JsonlSink
-from perfrun.telemetry.step_metrics import Cadence, StepMetrics, Throughput
+from perfrun.telemetry.step_metrics import MetricsConfig, StepMetrics, Throughput
 
 log = logging.getLogger("perfrun")
 
@@ -57,7 +57,6 @@ class Setup:
     train_loader: torch.utils.data.DataLoader
     val_loader: torch.utils.data.DataLoader
     throughput: Throughput
-    seq_len: int
     facts: RunSummary  # the model, data, knobs and MFU peak, for summary.json
 
 
@@ -112,7 +111,7 @@ def setup(cfg: Any, stack: ExitStack) -> Setup:
            if world > 1 else "")
     )
     log.info(peak.describe())
-    return Setup(device, plan, optimizer, scheduler, train_loader, val_loader, throughput, seq_len, facts)
+    return Setup(device, plan, optimizer, scheduler, train_loader, val_loader, throughput, facts)
 
 
 @dataclass
@@ -132,8 +131,8 @@ def build_loop(cfg: Any, built: Setup, run_dir: Path | None, sink: JsonlSink, re
                stop: GracefulStop) -> Loop:
     """The loop's parts, from the config and what setup built; nothing starts yet."""
     plan, device, optimizer, scheduler = built.plan, built.device, built.optimizer, built.scheduler
-    cadence = Cadence(cfg.log_every, cfg.max_steps, cfg.monitor.every_n_steps, cfg.timing_warmup_steps)
-    metrics = StepMetrics(device, built.throughput, cadence, sink, reporter, lr=lambda: scheduler.get_last_lr()[0],
+    when = MetricsConfig(cfg.log_every, cfg.max_steps, cfg.monitor.every_n_steps, cfg.timing_warmup_steps)
+    metrics = StepMetrics(device, built.throughput, when, sink, reporter, lr=lambda: scheduler.get_last_lr()[0],
                           loss_scale=plan.loss_scale, compiled=bool(cfg.compile))
     stream = BatchStream(built.train_loader)
     guard = NonFiniteGuard(device, cfg.guard.max_bad_steps, scaler_skips=plan.skips_nonfinite_steps)

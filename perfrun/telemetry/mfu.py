@@ -14,6 +14,7 @@ import torch
 
 from perfrun.environment import device_name
 from perfrun.summary import RunSummary
+from perfrun.telemetry.peaks import datasheet_peak_tflops, measured_peak_tflops
 
 
 def mfu_dtype(autocast_dtype: str, device: torch.device, tf32: bool) -> str:
@@ -32,29 +33,27 @@ class Peak:
     tflops: float | None
     source: str
     dtype: str
-    figures: dict[str, Any] = field(default_factory=dict)  # datasheet (and measured) figures, for the summary
+    sources: dict[str, Any] = field(default_factory=dict)  # the datasheet's (and measured) TFLOPS, for the summary
 
     def facts(self) -> RunSummary:
         return {"mfu_peak_tflops": self.tflops, "mfu_peak_source": self.source, "mfu_dtype": self.dtype,
-                **self.figures}  # type: ignore[typeddict-item]
+                **self.sources}  # type: ignore[typeddict-item]
 
     def describe(self) -> str:
-        sheet = self.figures.get("datasheet_tflops")
+        sheet = self.sources.get("datasheet_tflops")
         return (f"MFU peak: {f'{self.tflops:,.1f} TFLOPS {self.dtype}' if self.tflops else 'none'} ({self.source})"
                 + (f"; datasheet {sheet:,.1f} TFLOPS" if sheet and sheet != self.tflops else ""))
 
 
 def resolve_peak(choice: str, device: torch.device, dtype_name: str) -> Peak:
     """``mfu.peak``: the datasheet table, gpu-check's measurement, or the user's number."""
-    from perfrun.telemetry.peaks import datasheet_peak_tflops, measured_peak_tflops
-
     name = device_name(device)
     sheet, sheet_note = datasheet_peak_tflops(name, dtype_name)
-    figures: dict[str, Any] = {"datasheet_tflops": sheet, "datasheet_note": sheet_note}
+    sources: dict[str, Any] = {"datasheet_tflops": sheet, "datasheet_note": sheet_note}
     if choice == "datasheet":
-        return Peak(sheet, f"datasheet {dtype_name} peak for {name}" if sheet else sheet_note, dtype_name, figures)
+        return Peak(sheet, f"datasheet {dtype_name} peak for {name}" if sheet else sheet_note, dtype_name, sources)
     if choice == "measured":
         measured, how = measured_peak_tflops(device, dtype_name)
-        figures["measured_tflops"] = measured
-        return Peak(measured, f"measured {dtype_name} matmul peak ({how})", dtype_name, figures)
-    return Peak(float(choice), "mfu.peak given by the user", dtype_name, figures)
+        sources["measured_tflops"] = measured
+        return Peak(measured, f"measured {dtype_name} matmul peak ({how})", dtype_name, sources)
+    return Peak(float(choice), "mfu.peak given by the user", dtype_name, sources)

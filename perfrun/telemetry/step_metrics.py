@@ -23,6 +23,7 @@ import torch
 
 from perfrun import distributed
 from perfrun.summary import RunSummary
+from perfrun.telemetry.monitor import Monitor
 from perfrun.telemetry.sinks import ConsoleReporter, JsonlSink
 
 log = logging.getLogger("perfrun")
@@ -187,9 +188,10 @@ class MemoryTracker:
 
 
 @dataclass
-class Cadence:
+class MetricsConfig:
     """When the step metrics write: a train record every ``log_every`` steps and at the
-    last; a monitor record every ``monitor_every`` (0: never)."""
+    last, a monitor record every ``monitor_every`` (0: never); and which steps the
+    summary's speed figures leave out."""
 
     log_every: int
     max_steps: int
@@ -205,13 +207,13 @@ class StepMetrics:
     points, before a checkpoint or an evaluation (:meth:`paused`) and at the end.
     """
 
-    def __init__(self, device: torch.device, throughput: Throughput, cadence: Cadence, sink: JsonlSink,
+    def __init__(self, device: torch.device, throughput: Throughput, config: MetricsConfig, sink: JsonlSink,
                  reporter: ConsoleReporter, *, lr: Callable[[], float], loss_scale: Callable[[], float | None],
                  compiled: bool) -> None:
-        self.throughput, self.cadence, self.sink, self.reporter = throughput, cadence, sink, reporter
+        self.throughput, self.config, self.sink, self.reporter = throughput, config, sink, reporter
         self.lr, self.loss_scale, self.compiled = lr, loss_scale, compiled
         self.timer, self.phases, self.memory = StepTimer(device), PhaseTimer(device), MemoryTracker(device)
-        self.monitor: Any = None
+        self.monitor: Monitor | None = None
         self.host_wall: list[float] = []  # per step of this process, index = step - start_step - 1
         self.data_wait: list[float] = []
         self.loss_sum = torch.zeros((), device=device)
@@ -226,9 +228,7 @@ class StepMetrics:
 
     def start_monitor(self, cfg_monitor: Any, device: torch.device, stack: ExitStack) -> None:
         """NVML and host sampling in a background thread, when ``monitor.every_n_steps`` > 0."""
-        if self.cadence.monitor_every > 0:
-            from perfrun.telemetry.monitor import Monitor
-
+        if self.config.monitor_every > 0:
             self.monitor = Monitor(device, cfg_monitor)
             self.monitor.start()
             stack.callback(self.monitor.close)
@@ -266,7 +266,7 @@ class StepMetrics:
         return self.start_tokens + len(self.host_wall) * self.throughput.tokens_per_step
 
     def should_log(self, step: int) -> bool:
-        return step % self.cadence.log_every == 0 or step == self.cadence.max_steps
+        return step % self.config.log_every == 0 or step == self.config.max_steps
 
     def log(self, step: int) -> None:
         """The train record of the interval since the last log point, to the sink and console."""
@@ -282,7 +282,7 @@ class StepMetrics:
         self.last_train_loss = distributed.mean_over_ranks(self.loss_sum).item() / n  # the global batch's loss
         wall = sum(self.host_wall[first:done])
         record = {
-            "kind": "train", "step": step, "max_steps": self.cadence.max_steps, "loss": self.last_train_loss,
+            "kind": "train", "step": step, "max_steps": self.config.max_steps, "loss": self.last_train_loss,
             "lr": self.lr(), "grad_norm": self.grad_norm.item(),
             "step_time_ms": 1000 * interval_time / n, "tokens_per_s": tokens_per_s,
             "mfu": self.throughput.mfu(tokens_per_s),
@@ -312,7 +312,7 @@ class StepMetrics:
             self.reporter.line(f"step {step}: val loss {val_loss:.4f}")
 
     def should_sample(self, step: int) -> bool:
-        return self.monitor is not None and step % self.cadence.monitor_every == 0
+        return self.monitor is not None and step % self.config.monitor_every == 0
 
     def sample(self, step: int) -> None:
         """The monitor's record of the interval: every rank's GPU and host figures, in rank 0's log."""
@@ -324,21 +324,21 @@ class StepMetrics:
     def summary(self, step: int) -> RunSummary:
         """The job's figures: medians over the steady steps (after ``warmup_steps``)."""
         self.timer.flush()
-        warmup, durations = self.cadence.warmup_steps, self.timer.durations
+        warmup, durations = self.config.warmup_steps, self.timer.durations
         steady, steady_wall = durations[warmup:], self.host_wall[warmup:]
         if not steady:
             log.warning(f"no steady-state steps: all {len(durations)} steps ran within timing_warmup_steps={warmup}, "
                         "so the summary has no tokens/s or MFU; raise max_steps or lower timing_warmup_steps")
         med = median(steady)
-        tp = self.throughput
-        tokens_per_s = tp.tokens_per_step / med if med else None  # rank 0's step time; all ranks' tokens
-        figures: RunSummary = {
+        throughput = self.throughput
+        tokens_per_s = throughput.tokens_per_step / med if med else None  # rank 0's step time; all ranks' tokens
+        result: RunSummary = {
             "steps": step, "start_step": self.start_step, "tokens": self.tokens, "train_time_s": self.train_time,
             "first_step_s": self.first_step_s, "step_time_ms_median": 1000 * med if med else None,
             "steady_steps": len(steady), "tokens_per_s_median": tokens_per_s,
-            "tokens_per_s_mean": tp.tokens_per_s(sum(steady), len(steady)) if steady else None,
-            "tokens_per_s_per_rank_median": tokens_per_s / tp.world if tokens_per_s else None,
-            "world_size": tp.world, "mfu_median": tp.mfu(tokens_per_s) if tokens_per_s else None,
+            "tokens_per_s_mean": throughput.tokens_per_s(sum(steady), len(steady)) if steady else None,
+            "tokens_per_s_per_rank_median": tokens_per_s / throughput.world if tokens_per_s else None,
+            "world_size": throughput.world, "mfu_median": throughput.mfu(tokens_per_s) if tokens_per_s else None,
             "peak_mem_mib": self.memory.peak_mib(), "peak_mem_source": self.memory.source,
             "data_wait_pct": (100 * sum(self.data_wait[warmup:]) / sum(steady_wall)
                               if steady_wall and sum(steady_wall) > 0 else None),
@@ -347,12 +347,12 @@ class StepMetrics:
             "step_breakdown": self.phases.summary(warmup),
         }
         if self.monitor is not None:
-            figures.update(self._monitor_summary())
-        return figures
+            result.update(self._monitor_summary())
+        return result
 
     def _monitor_summary(self) -> RunSummary:
         """This rank's energy over this rank's tokens; the job's is summed over ranks."""
-        self.monitor.attach_step_times(self.start_step + 1, self.timer.durations, warmup=self.cadence.warmup_steps)
+        self.monitor.attach_step_times(self.start_step + 1, self.timer.durations, warmup=self.config.warmup_steps)
         self.monitor.close()
         tokens = self.tokens - self.start_tokens
         out: RunSummary = {"monitor": self.monitor.summary(tokens // self.throughput.world)}
