@@ -30,7 +30,7 @@ class PrecisionConfig:
 
 
 @dataclass
-class CheckpointingConfig:
+class ActivationCheckpointingConfig:
     """Activation checkpointing: recompute a block's activations in backward to save memory."""
 
     name: str = "none"  # none | full | selective
@@ -96,7 +96,7 @@ class OptimConfig:
 @dataclass
 class CompileOptions:
     mode: str = "default"  # default | reduce-overhead | max-autotune
-    scope: str = "model"  # model | blocks: the whole module, or each block's forward (perfrun/knobs/compile.py)
+    scope: str = "model"  # model | blocks: the whole module, or each block's forward (perfrun/knobs/compilation.py)
     fullgraph: bool = False
     dynamic: bool | None = False
 
@@ -124,8 +124,8 @@ class MfuConfig:
 
 
 @dataclass
-class CheckpointConfig:
-    """Training-state checkpoints (not to be confused with activation ``checkpointing``)."""
+class CheckpointSaveConfig:
+    """Training-state checkpoints: when they are saved, how many are kept, where."""
 
     every_n_steps: int = 0  # 0: only at the end (and on a graceful stop)
     at_end: bool = True
@@ -165,7 +165,7 @@ class LoggerConfig:
 @dataclass
 class TrainConfig:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
-    checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
+    checkpointing: ActivationCheckpointingConfig = field(default_factory=ActivationCheckpointingConfig)
     dataloader: DataLoaderConfig = field(default_factory=DataLoaderConfig)
     accumulation: AccumulationConfig = field(default_factory=AccumulationConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -186,7 +186,7 @@ class TrainConfig:
     progress: str = "auto"  # auto | bar | plain | off
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     mfu: MfuConfig = field(default_factory=MfuConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    checkpoint: CheckpointSaveConfig = field(default_factory=CheckpointSaveConfig)
     resume: str | None = None  # auto | a checkpoint file or folder | null
     guard: GuardConfig = field(default_factory=GuardConfig)
     profile: bool = False  # torch.profiler over profiler.active steady-state steps

@@ -1,4 +1,5 @@
-"""The process group and the few collectives the trainer needs, for a world of any size.
+"""The process group, each rank's device and random streams, and the few collectives the
+trainer needs, for a world of any size.
 
 A single process is rank 0 of a world of one, and every helper here is then a no-op, so
 the trainer calls them unconditionally. Under torchrun (``WORLD_SIZE`` > 1) the group is
@@ -9,12 +10,17 @@ hand every rank the same run dir; :func:`ensure_group` makes it otherwise.
 from __future__ import annotations
 
 import os
+import random
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
+
+from perfrun.config import ConfigError
+from perfrun.devices import resolve_device
 
 
 def backend_for(device_type: str) -> str:
@@ -74,6 +80,48 @@ def destroy() -> None:
     if active():
         dist.destroy_process_group()
     _control = None
+
+
+def setup_device(spec: str, mode: str, stack: ExitStack) -> torch.device:
+    """This process's device (``device=spec``); under ``distributed=ddp|fsdp`` the GPU of its
+    LOCAL_RANK, and the process group, made here if nobody made it and destroyed with ``stack``."""
+    device = resolve_device(spec)
+    if mode != "none":
+        device = rank_device(spec, mode, device)
+        if ensure_group(device):
+            stack.callback(destroy)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        torch.cuda.empty_cache()
+    return device
+
+
+def rank_device(spec: str, mode: str, device: torch.device) -> torch.device:
+    """Under DDP or FSDP each process of a machine owns the GPU of its LOCAL_RANK; a world
+    of one that torchrun did not start keeps the device it was given (cuda:N)."""
+    if device.type != "cuda" or "LOCAL_RANK" not in os.environ:
+        return device
+    index = local_rank()
+    if spec not in ("auto", "cuda") and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ConfigError(f"device={spec} with distributed={mode}: each rank takes cuda:LOCAL_RANK; "
+                          "set device=auto or device=cuda")
+    if index >= torch.cuda.device_count():
+        raise ConfigError(f"LOCAL_RANK={index} but this machine has {torch.cuda.device_count()} CUDA device(s); "
+                          "start at most that many processes per node")
+    return torch.device("cuda", index)
+
+
+def seed_everything(seed: int) -> None:
+    """Python's, NumPy's and torch's generators, so that a run repeats exactly."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def seed_rank(seed: int, rank: int) -> None:
+    """Ranks share the model's initial weights (one seed) but not their dropout masks:
+    after the model is built, rank r draws from ``seed + r``."""
+    torch.manual_seed(seed + rank)
 
 
 def from_rank0(obj: Any) -> Any:

@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from perfrun import distributed
+
 log = logging.getLogger("perfrun")
 
 
@@ -40,6 +42,20 @@ class GracefulStop:
     @property
     def requested(self) -> bool:
         return self.signum is not None
+
+    def agreed(self) -> bool:
+        """Called after every step: True on every rank once one rank got a signal, so that
+        all stop at the same step (a host-side flag: no GPU synchronisation)."""
+        return distributed.any_rank(self.requested)
+
+    def stop_signal(self) -> int:
+        """The signal that stopped the run; SIGTERM where another rank received it."""
+        return self.signum or int(signal.SIGTERM)
+
+    def refuse_during_setup(self) -> None:
+        """A signal during setup stops the run there: there is nothing to save yet."""
+        if self.signum is not None:
+            raise Interrupted(self.signum, f"stopped by {signal.Signals(self.signum).name} during setup, before step 1")
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.signum is not None and signum == signal.SIGINT:
@@ -102,6 +118,11 @@ class NonFiniteGuard:
         """Resolve every pending step now (at log points, before a checkpoint, at the end)."""
         while self._pending:
             self._resolve(self._pending.pop(0))
+
+    def all_finite(self) -> bool:
+        """Every rank's last step was finite (before a checkpoint: never save a NaN state)."""
+        self.flush()
+        return not distributed.any_rank(bool(self.streak))
 
     def _resolve(self, pending: tuple[int, torch.Tensor, Any]) -> None:
         step, host, event = pending

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hydra import compose, initialize_config_dir  # noqa: E402
 
-from perfrun import checkpoint  # noqa: E402
+from perfrun import checkpoint_files as checkpoint  # noqa: E402
 from perfrun.config import config_dir, register_configs  # noqa: E402
 from perfrun.devices import resolve_device  # noqa: E402
 from perfrun.inference.generation import Generator  # noqa: E402

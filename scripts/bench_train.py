@@ -36,11 +36,12 @@ from perfrun.config import (
 )
 from perfrun.data import build_datasets, build_loader  # noqa: E402
 from perfrun.devices import resolve_device  # noqa: E402
+from perfrun.distributed import seed_everything  # noqa: E402
 from perfrun.knobs.precision import DTYPES  # noqa: E402
 from perfrun.model import GPT, GPTConfig, padded_vocab  # noqa: E402
 from perfrun.optim import build_optimizer, build_scheduler  # noqa: E402
-from perfrun.telemetry.throughput import median  # noqa: E402
-from perfrun.train import run, seed_everything  # noqa: E402
+from perfrun.telemetry.step_metrics import median  # noqa: E402
+from perfrun.train import run  # noqa: E402
 
 
 def plain_loop(cfg: Any, warmup: int) -> dict[str, float]:

@@ -135,14 +135,14 @@ def test_a_checkpoint_from_before_ranks_were_recorded_infers_them(ddp_run: Path,
     data position says how many ranks there were, so the global batch is checked right."""
     import torch
 
-    from perfrun import checkpoint
+    from perfrun import checkpoint_files
 
     (run_dir,) = [p.parent for p in ddp_run.glob("outputs/*/*/summary.json")]
-    old = checkpoint.load(run_dir / "checkpoints" / "step_0000003.pt")
+    old = checkpoint_files.load(run_dir / "checkpoints" / "step_0000003.pt")
     for key in ("world_size", "rng_ranks"):
         old.pop(key)
     torch.save(old, tmp_path / "old.pt")
-    assert checkpoint.saved_world(old) == 2
+    assert checkpoint_files.saved_world(old) == 2
     s = run(make_cfg(*COMMON, "dataloader.batch_size=4", f"resume={tmp_path / 'old.pt'}", "checkpoint.at_end=false"),
             tmp_path / "r")
     assert s["start_step"] == 3 and s["status"] == "completed"

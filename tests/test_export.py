@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from perfrun import checkpoint
+from perfrun import checkpoint_files as checkpoint
 from perfrun.cli import main as cli_main
 from perfrun.inference import hf_layout, onnx_export
 from perfrun.inference.loading import load_model

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from perfrun import checkpoint
+from perfrun import checkpoint_files
 from perfrun.config import ConfigError
 from perfrun.inference.loading import load_model
 from perfrun.train import run
@@ -55,11 +55,11 @@ def test_two_fsdp_ranks_match_one_process(fsdp_dir: Path, tmp_path: Path) -> Non
 
 
 def test_every_rank_writes_its_shards_into_one_folder(fsdp_dir: Path) -> None:
-    ckpts = checkpoint.list_checkpoints(fsdp_dir / "checkpoints")
+    ckpts = checkpoint_files.list_checkpoints(fsdp_dir / "checkpoints")
     assert [c.name for c in ckpts] == ["step_0000003", "step_0000006"]
     for c in ckpts:
         assert sorted(f.name for f in c.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
-    meta = checkpoint.load(ckpts[-1])  # weights_only: a plain dict of the rest of the state
+    meta = checkpoint_files.load(ckpts[-1])  # weights_only: a plain dict of the rest of the state
     assert meta["sharded"] and meta["world_size"] == 2 and meta["step"] == 6 and "model" not in meta
     assert len(meta["rng_ranks"]) == 2
     assert not torch.equal(meta["rng_ranks"][0]["torch"], meta["rng_ranks"][1]["torch"])  # own dropout streams
@@ -117,9 +117,9 @@ def test_a_failed_sharded_save_is_one_line_and_keeps_nothing_half_done(tmp_path:
     model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=1, n_embd=8, dropout=0.0, bias=True,
                           attention="sdpa"))
     (tmp_path / ".step_0000005.partial").write_text("a file where the save's folder must go")
-    with pytest.raises(checkpoint.CheckpointWriteError, match="could not save the checkpoint for step 5"):
-        checkpoint.save_sharded(tmp_path, 5, model, torch.optim.AdamW(model.parameters()), {}, keep_last=2)
-    assert checkpoint.list_checkpoints(tmp_path) == []
+    with pytest.raises(checkpoint_files.CheckpointWriteError, match="could not save the checkpoint for step 5"):
+        checkpoint_files.save_sharded(tmp_path, 5, model, torch.optim.AdamW(model.parameters()), {}, keep_last=2)
+    assert checkpoint_files.list_checkpoints(tmp_path) == []
 
 
 def test_a_different_global_batch_is_refused(fsdp_dir: Path, tmp_path: Path) -> None:
@@ -130,7 +130,7 @@ def test_a_different_global_batch_is_refused(fsdp_dir: Path, tmp_path: Path) -> 
 
 def test_fsdp_refuses_a_single_file_checkpoint(tmp_path: Path) -> None:
     run(make_cfg(*COMMON, "dataloader.batch_size=4", "max_steps=2"), tmp_path / "plain")
-    (ckpt,) = checkpoint.list_checkpoints(tmp_path / "plain" / "checkpoints")
+    (ckpt,) = checkpoint_files.list_checkpoints(tmp_path / "plain" / "checkpoints")
     with pytest.raises(ConfigError, match="single-file checkpoint .* resume it with distributed=ddp"):
         run(make_cfg(*COMMON, "distributed=fsdp", "dataloader.batch_size=4", f"resume={ckpt}"), tmp_path / "r")
 
@@ -143,10 +143,10 @@ def test_a_save_cut_short_is_ignored_and_cleaned_up(fsdp_dir: Path, tmp_path: Pa
     (partial / "meta.pt").unlink()
     incomplete = ckpts / "step_0000012"  # a folder of that name without meta.pt is not a checkpoint
     incomplete.mkdir()
-    assert checkpoint.resolve("auto", ckpts).name == "step_0000006"
+    assert checkpoint_files.resolve("auto", ckpts).name == "step_0000006"
     whole = ckpts / ".step_0000005.partial"  # complete, cut off before its rename: recovered
     shutil.copytree(ckpts / "step_0000003", whole)
-    checkpoint.recover_interrupted_saves(ckpts)
+    checkpoint_files.recover_interrupted_saves(ckpts)
     assert (ckpts / "step_0000005" / "meta.pt").is_file() and not whole.exists() and not partial.exists()
     shutil.copytree(ckpts / "step_0000005", partial)  # and a cut-short one again for the run below
     (partial / "meta.pt").unlink()
@@ -161,10 +161,10 @@ def test_a_step_in_both_layouts_resolves_to_the_newer(tmp_path: Path) -> None:
     (tmp_path / "step_0000003" / "meta.pt").write_bytes(b"x")
     (tmp_path / "step_0000003.pt").write_bytes(b"x")
     os.utime(tmp_path / "step_0000003.pt", (1, 1))  # the single file is older
-    assert checkpoint.list_checkpoints(tmp_path)[-1].name == "step_0000003"
+    assert checkpoint_files.list_checkpoints(tmp_path)[-1].name == "step_0000003"
     os.utime(tmp_path / "step_0000003" / "meta.pt", (0, 0))
     os.utime(tmp_path / "step_0000003", (0, 0))
-    assert checkpoint.list_checkpoints(tmp_path)[-1].name == "step_0000003.pt"
+    assert checkpoint_files.list_checkpoints(tmp_path)[-1].name == "step_0000003.pt"
 
 
 def test_generate_and_export_read_a_sharded_checkpoint(fsdp_dir: Path, tmp_path: Path) -> None:
@@ -198,8 +198,8 @@ def test_sigterm_stops_every_rank_at_one_step_and_the_sharded_save_resumes(tmp_p
     assert p.returncode == 143 and "Traceback" not in err, err
     s = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert s["status"] == "interrupted" and s["interrupted_by"] == signal.SIGTERM
-    (ckpt,) = checkpoint.list_checkpoints(tmp_path / "run" / "checkpoints")
-    meta = checkpoint.load(ckpt)
+    (ckpt,) = checkpoint_files.list_checkpoints(tmp_path / "run" / "checkpoints")
+    meta = checkpoint_files.load(ckpt)
     assert meta["step"] == s["steps"] and meta["world_size"] == 2 and len(list(ckpt.glob("*.distcp"))) == 2
     stop = s["steps"]
     r = run_cli("train", *args, "nproc=2", f"max_steps={stop + 2}", "resume=auto", cwd=tmp_path, timeout=120)
@@ -250,13 +250,13 @@ def test_saving_a_step_again_replaces_it_only_once_the_new_one_is_whole(tmp_path
     model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=1, n_embd=8, dropout=0.0, bias=True,
                           attention="sdpa"))
     opt = torch.optim.AdamW(model.parameters())
-    checkpoint.save_sharded(tmp_path, 5, model, opt, {"note": "first"}, keep_last=3)
+    checkpoint_files.save_sharded(tmp_path, 5, model, opt, {"note": "first"}, keep_last=3)
     with torch.no_grad():
         model.wte.weight.add_(1.0)
-    checkpoint.save_sharded(tmp_path, 5, model, opt, {"note": "second"}, keep_last=3)
+    checkpoint_files.save_sharded(tmp_path, 5, model, opt, {"note": "second"}, keep_last=3)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_0000005"]
-    ckpt = checkpoint.load(tmp_path / "step_0000005")
+    ckpt = checkpoint_files.load(tmp_path / "step_0000005")
     assert ckpt["note"] == "second"
     fresh = GPT(model.config)
-    checkpoint.load_model_weights(ckpt, fresh)
+    checkpoint_files.load_model_weights(ckpt, fresh)
     assert torch.equal(fresh.wte.weight, model.wte.weight)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from perfrun import checkpoint
+from perfrun import checkpoint_files as checkpoint
 from perfrun.cli import main as cli_main
 from perfrun.generate import Streamer
 from perfrun.inference.generation import Generator, generate

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from perfrun.telemetry import throughput
-from perfrun.telemetry.throughput import PHASES
+from perfrun.telemetry import step_metrics
+from perfrun.telemetry.step_metrics import PHASES
 from perfrun.train import run
 
 from conftest import make_cfg
@@ -30,7 +30,7 @@ def test_profile_writes_a_trace_that_parses(tmp_path: Path) -> None:
 
 def test_step_breakdown_accounts_for_the_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     timers: list = []  # the run's own step and phase timers, to check the breakdown step by step
-    for cls in (throughput.StepTimer, throughput.PhaseTimer):
+    for cls in (step_metrics.StepTimer, step_metrics.PhaseTimer):
         def kept(self, device, init=cls.__init__):
             init(self, device)
             timers.append(self)
@@ -41,8 +41,8 @@ def test_step_breakdown_accounts_for_the_step(tmp_path: Path, monkeypatch: pytes
     assert set(b["median_ms"]) == set(PHASES) and all(v >= 0 for v in b["median_ms"].values())
     assert b["median_ms"]["forward"] > 0 and b["median_ms"]["backward"] > 0
     assert sum(b["share_pct"].values()) == pytest.approx(100.0)
-    (steps,) = [t for t in timers if isinstance(t, throughput.StepTimer)]
-    (phases,) = [t for t in timers if isinstance(t, throughput.PhaseTimer)]
+    (steps,) = [t for t in timers if isinstance(t, step_metrics.StepTimer)]
+    (phases,) = [t for t in timers if isinstance(t, step_metrics.PhaseTimer)]
     for p in PHASES:  # the summary's figures are the medians of the steady steps
         assert b["median_ms"][p] == pytest.approx(1000 * statistics.median(phases.seconds[p][2:]))
     # the phases cover the step from its first batch to the end of the optimizer step: within

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from perfrun import checkpoint
+from perfrun import checkpoint_files
 from perfrun.cli import main as cli_main
 from perfrun.config import ConfigError
 from perfrun.model import GPT
@@ -34,11 +34,11 @@ def losses_by_step(run_dir: Path) -> dict[int, float]:
 
 def test_checkpoint_contents_load_with_weights_only(tmp_path: Path) -> None:
     s = run(make_cfg("max_steps=6", "checkpoint.every_n_steps=2", "checkpoint.keep_last=2", "precision=fp16"), tmp_path)
-    found = checkpoint.list_checkpoints(tmp_path / "checkpoints")
+    found = checkpoint_files.list_checkpoints(tmp_path / "checkpoints")
     assert [p.name for p in found] == ["step_0000004.pt", "step_0000006.pt"]  # keep_last=2; 2 was pruned
     assert s["checkpoints"][-1] == str(found[-1])
     ckpt = torch.load(found[-1], map_location="cpu", weights_only=True)
-    assert ckpt["step"] == 6 and ckpt["format"] == checkpoint.FORMAT
+    assert ckpt["step"] == 6 and ckpt["format"] == checkpoint_files.FORMAT
     assert set(ckpt) >= {"model", "optimizer", "scheduler", "scaler", "rng", "data", "config", "perfrun_version", "tokens"}
     assert ckpt["scaler"]["scale"] > 0 and ckpt["data"] == s["data_position"]
     assert set(ckpt["rng"]) >= {"python", "numpy", "torch"}
@@ -73,7 +73,7 @@ def test_resume_auto_finds_the_latest_in_the_run_dir(tmp_path: Path) -> None:
 
 def test_checkpoint_counts_tokens_between_log_points(tmp_path: Path) -> None:
     s = run(make_cfg("max_steps=6", "log_every=4", "checkpoint.every_n_steps=3"), tmp_path)
-    ckpt = checkpoint.load(tmp_path / "checkpoints" / "step_0000003.pt")
+    ckpt = checkpoint_files.load(tmp_path / "checkpoints" / "step_0000003.pt")
     assert ckpt["tokens"] == 3 * s["tokens_per_step"]
     resumed = run(make_cfg("max_steps=6", "log_every=4", f"resume={tmp_path / 'checkpoints' / 'step_0000003.pt'}"),
                   tmp_path / "resumed")
@@ -116,12 +116,12 @@ def test_full_disk_during_save_keeps_the_previous_checkpoint(tmp_path: Path, mon
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_save(obj, f, *a, **k)
 
-    monkeypatch.setattr(checkpoint.torch, "save", filling_disk)
+    monkeypatch.setattr(checkpoint_files.torch, "save", filling_disk)
     with pytest.raises(RunFailed, match="the disk is full.*previous checkpoint step_0000002.pt is intact"):
         run(make_cfg("max_steps=6", "checkpoint.every_n_steps=2"), tmp_path)
     files = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert files == ["step_0000002.pt"]  # no partial file, the good one intact
-    assert checkpoint.load(tmp_path / "checkpoints" / files[0])["step"] == 2
+    assert checkpoint_files.load(tmp_path / "checkpoints" / files[0])["step"] == 2
     assert json.loads((tmp_path / "summary.json").read_text())["status"] == "failed"
 
 
@@ -130,8 +130,8 @@ def test_divergence_stops_with_a_clear_message(tmp_path: Path) -> None:
         run(make_cfg("max_steps=30", "optim.lr=1e30", "optim.warmup_steps=0", "checkpoint.every_n_steps=1"), tmp_path)
     s = json.loads((tmp_path / "summary.json").read_text())
     assert s["status"] == "failed" and s["guard"]["nonfinite_steps"] == 3 and s["guard"]["max_nonfinite_streak"] == 3
-    ckpts = checkpoint.list_checkpoints(tmp_path / "checkpoints")
-    last_good = checkpoint.load(ckpts[-1])
+    ckpts = checkpoint_files.list_checkpoints(tmp_path / "checkpoints")
+    last_good = checkpoint_files.load(ckpts[-1])
     assert all(torch.isfinite(t).all() for t in last_good["model"].values())  # no NaN state was saved
     assert str(ckpts[-1]) in s["reason"]
 
@@ -186,7 +186,7 @@ def _digest(root: Path) -> dict[str, str]:
 def fixtures(tmp_path_factory: pytest.TempPathFactory) -> Path:
     d = tmp_path_factory.mktemp("bad-inputs")
     run(make_cfg("max_steps=1", "model.n_embd=64"), d / "source")
-    make_fixtures(d, checkpoint.list_checkpoints(d / "source" / "checkpoints")[-1])
+    make_fixtures(d, checkpoint_files.list_checkpoints(d / "source" / "checkpoints")[-1])
     return d
 
 
@@ -239,8 +239,8 @@ def test_signal_stops_gracefully_and_resumes(tmp_path: Path, sig: int, code: int
     assert "Traceback" not in err
     s = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert s["status"] == "interrupted" and s["interrupted_by"] == sig
-    (ckpt,) = checkpoint.list_checkpoints(tmp_path / "run" / "checkpoints")
-    assert checkpoint.load(ckpt)["step"] == s["steps"]
+    (ckpt,) = checkpoint_files.list_checkpoints(tmp_path / "run" / "checkpoints")
+    assert checkpoint_files.load(ckpt)["step"] == s["steps"]
     if sig == signal.SIGINT:
         return  # the resume below is the same for both signals: run it once
     stop_step = s["steps"]
@@ -276,15 +276,15 @@ def test_kill_9_during_a_checkpoint_write_leaves_the_previous_one(tmp_path: Path
                "monitor.every_n_steps=0", "checkpoint.every_n_steps=1", "checkpoint.keep_last=2", "hydra.run.dir=run")
     ckdir = tmp_path / "run" / "checkpoints"
     try:
-        _wait_for(lambda: len(checkpoint.list_checkpoints(ckdir)) >= 1)
+        _wait_for(lambda: len(checkpoint_files.list_checkpoints(ckdir)) >= 1)
         _wait_for(lambda: any(ckdir.glob("*.tmp")))
         p.kill()
     finally:
         p.wait(timeout=30)
     assert p.returncode == -signal.SIGKILL
     assert any(ckdir.glob("*.tmp"))  # it really died mid-write
-    good = checkpoint.list_checkpoints(ckdir)[-1]
-    step = checkpoint.load(good)["step"]
+    good = checkpoint_files.list_checkpoints(ckdir)[-1]
+    step = checkpoint_files.load(good)["step"]
     for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines():
         json.loads(line)  # every line that was written is whole
     s = run(make_cfg("model.n_layer=2", "model.n_embd=512", "model.n_head=4", "model.block_size=32",

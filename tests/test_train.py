@@ -13,6 +13,8 @@ import torch
 
 from perfrun.config import ConfigError
 from perfrun.environment import global_state
+from perfrun.knobs import Plan
+from perfrun.model import GPT, GPTConfig
 from perfrun.train import run
 
 from conftest import make_cfg
@@ -80,6 +82,30 @@ def test_accumulation_matches_the_big_batch(tmp_path: Path) -> None:
     b = run(make_cfg("max_steps=10", "dataloader.batch_size=2", "accumulation.steps=4"), tmp_path / "accum")
     assert a["tokens_per_step"] == b["tokens_per_step"]
     np.testing.assert_allclose(train_losses(tmp_path / "big"), train_losses(tmp_path / "accum"), rtol=0, atol=2e-5)
+
+
+def test_the_plans_step_without_fp16_is_a_plain_backward_clip_and_step() -> None:
+    """Without fp16 the plan's gradient scaler is disabled and passes everything through:
+    its backward and optimizer step give the same gradient norms and weights, bit for bit,
+    as loss.backward(), clip_grad_norm_ and optimizer.step() written out by hand."""
+    torch.manual_seed(0)
+    ours = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=16))
+    plain = GPT(ours.config)
+    plain.load_state_dict(ours.state_dict())
+    plan = Plan(model=ours, raw_model=ours)
+    opt_ours, opt_plain = torch.optim.AdamW(ours.parameters(), lr=1e-2), torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    x, y = torch.randint(64, (4, 16)), torch.randint(64, (4, 16))
+    for _ in range(3):
+        plan.backward(ours(x, y)[1])
+        norm_ours = plan.optimizer_step(opt_ours, list(ours.parameters()), clip=0.5)
+        opt_ours.zero_grad(set_to_none=True)
+        plain(x, y)[1].backward()
+        norm_plain = torch.nn.utils.clip_grad_norm_(list(plain.parameters()), 0.5)
+        opt_plain.step()
+        opt_plain.zero_grad(set_to_none=True)
+        assert torch.equal(norm_ours, norm_plain) and norm_ours > 0.5  # clipping did something
+    assert all(torch.equal(a, b) for a, b in zip(ours.parameters(), plain.parameters(), strict=True))
+    assert not plan.skips_nonfinite_steps and plan.loss_scale() is None and plan.scaler_state() is None
 
 
 def test_compile_runs_matches_eager_and_leaves_no_state(tmp_path: Path) -> None:

@@ -16,6 +16,12 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from perfrun import distributed
+
+
+def _no_scaling() -> torch.amp.GradScaler:
+    return torch.amp.GradScaler("cpu", enabled=False)
+
 
 @dataclass
 class Plan:
@@ -24,7 +30,8 @@ class Plan:
     model: nn.Module  # the module the loop calls: maybe checkpointed, maybe compiled
     raw_model: nn.Module  # the plain model: parameters, state_dict, eval
     micro_steps: int = 1
-    scaler: torch.amp.GradScaler | None = None  # fp16 only
+    # fp16's loss scaling; a disabled GradScaler is a pass-through (nanoGPT's way), so no caller branches on it
+    scaler: torch.amp.GradScaler = field(default_factory=_no_scaling)
     contexts: list[Callable[[], AbstractContextManager[Any]]] = field(default_factory=list)
     step_hooks: list[Callable[[int], None]] = field(default_factory=list)  # called after each step (profiler)
     notes: dict[str, Any] = field(default_factory=dict)  # what each knob did, for summary.json
@@ -39,13 +46,45 @@ class Plan:
             stack.enter_context(make())
         return stack
 
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward through the (fp16: scaled) loss."""
+        self.scaler.scale(loss).backward()
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor],
+                       clip: float) -> torch.Tensor:
+        """Unscale (fp16), clip to ``clip``, step (fp16: skipped on inf/NaN gradients) and
+        update the scale. Returns the gradient norm before clipping, as a plain tensor."""
+        self.scaler.unscale_(optimizer)
+        grad_norm = distributed.full_tensor(torch.nn.utils.clip_grad_norm_(params, clip))  # FSDP: a DTensor
+        self.scaler.step(optimizer)
+        self.scaler.update()
+        return grad_norm
+
+    @property
+    def skips_nonfinite_steps(self) -> bool:
+        """fp16: the scaler skips a step whose gradients are not finite."""
+        return self.scaler.is_enabled()
+
+    def loss_scale(self) -> float | None:
+        """fp16's current scale, for the train record (a sync: read it at log points only)."""
+        return self.scaler.get_scale() if self.scaler.is_enabled() else None
+
+    def scaler_state(self) -> dict[str, Any] | None:
+        """What a checkpoint keeps of the loss scaling (None without fp16), for exact resume."""
+        return self.scaler.state_dict() if self.scaler.is_enabled() else None
+
+    def load_scaler_state(self, state: dict[str, Any] | None) -> None:
+        """Take a checkpoint's loss scale back; nothing to do without fp16."""
+        if self.scaler.is_enabled() and state:
+            self.scaler.load_state_dict(state)
+
 
 def apply_knobs(cfg: Any, device: torch.device, model: nn.Module, stack: ExitStack) -> Plan:
-    """Apply every knob in a fixed order: backends, precision, checkpointing, ddp or fsdp, compile."""
-    from perfrun.knobs import backends, checkpointing, compile, ddp, fsdp, precision
+    """Apply every knob in a fixed order: backends, precision, activation checkpointing, ddp or fsdp, compile."""
+    from perfrun.knobs import activation_checkpointing, backends, compilation, ddp, fsdp, precision
 
     plan = Plan(model=model, raw_model=model, micro_steps=int(cfg.accumulation.steps))
     plan.notes["accumulation_steps"] = plan.micro_steps
-    for knob in (backends, precision, checkpointing, ddp, fsdp, compile):
+    for knob in (backends, precision, activation_checkpointing, ddp, fsdp, compilation):
         knob.apply(cfg, device, plan, stack)
     return plan

@@ -11,7 +11,7 @@ under DDP. Applied after activation checkpointing and before compile, like DDP.
 On gradient-accumulation micro-steps but the last, the reduce-scatter is skipped
 (``set_requires_gradient_sync(False)``): fewer collectives for unsharded gradients held
 a little longer. Checkpoints are written by every rank through
-``torch.distributed.checkpoint`` (:func:`perfrun.checkpoint.save_sharded`).
+``torch.distributed.checkpoint`` (:func:`perfrun.checkpoint_files.save_sharded`).
 """
 
 from __future__ import annotations

@@ -55,7 +55,7 @@ def apply(cfg: Any, device: torch.device, plan: Any, stack: ExitStack) -> None:
         return
     _check_supported(device, dtype, p.name)
     plan.contexts.append(partial(torch.autocast, device_type=device.type, dtype=dtype))
-    if dtype == torch.float16:
+    if dtype == torch.float16:  # the plan's backward and optimizer step then scale, unscale and skip
         plan.scaler = torch.amp.GradScaler(device.type)
         plan.notes["grad_scaler"] = True
 

@@ -9,7 +9,7 @@ import json
 import logging
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from rich.console import Console
 from rich.progress import (
@@ -25,6 +25,12 @@ from perfrun.atomic import json_safe
 from perfrun.telemetry.nvml import SLOWDOWN_REASONS
 
 log = logging.getLogger("perfrun")
+
+
+class RecordSink(Protocol):
+    """Where the loop's records go: metrics.jsonl, and the experiment logger beside it."""
+
+    def write(self, record: dict[str, Any]) -> None: ...
 
 
 class JsonlSink:

@@ -1,0 +1,234 @@
+"""Training-state checkpoints as a component of the loop: when to save, who writes, in which
+layout, and resume.
+
+The state is gathered from its parts: the model and optimizer (the plan's raw model),
+the schedule, fp16's loss scale, every random generator (each rank's), the data position
+(the batch stream), the tokens seen (the step metrics), the model's shape and the config.
+One process and DDP save one file that rank 0 writes (every rank holds the same weights);
+FSDP saves a folder into which every rank writes its shards. The file formats are in
+:mod:`perfrun.checkpoint_files`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from perfrun import checkpoint_files, distributed
+from perfrun.checkpoint_files import capture_rng, restore_rng
+from perfrun.config import ConfigError
+from perfrun.guards import NonFiniteGuard
+from perfrun.knobs import Plan
+from perfrun.step import BatchStream
+from perfrun.summary import RunSummary
+from perfrun.telemetry.sinks import RecordSink
+from perfrun.telemetry.step_metrics import StepMetrics
+
+log = logging.getLogger("perfrun")
+
+
+@dataclass
+class Start:
+    """Where the loop starts: step 0 for a fresh run, the checkpoint's step on resume."""
+
+    step: int = 0
+    epoch: int = 0
+    consumed: int = 0
+    tokens: int = 0
+    checkpoint: str | None = None
+
+
+def checkpoint_folder(configured: str | None, run_dir: Path | None) -> Path | None:
+    """``checkpoint.dir``, else ``<run dir>/checkpoints``; None (no checkpoints) without either."""
+    if configured:
+        return Path(configured)
+    return run_dir / "checkpoints" if run_dir else None
+
+
+def model_shape(model: torch.nn.Module) -> dict[str, int]:
+    c = model.config
+    return {"n_layer": c.n_layer, "n_head": c.n_head, "n_embd": c.n_embd, "block_size": c.block_size,
+            "vocab_size": c.vocab_size}
+
+
+@dataclass
+class Parts:
+    """What a checkpoint holds the state of, besides the random generators."""
+
+    plan: Plan
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    stream: BatchStream
+    metrics: StepMetrics
+
+
+class Checkpointer:
+    """Saves on its cadence (``every_n_steps``, at the end, on a graceful stop) and resumes.
+
+    Every rank calls every method: saving and resuming are collectives under several ranks.
+    """
+
+    def __init__(self, cfg_checkpoint: Any, folder: Path | None, parts: Parts, guard: NonFiniteGuard,
+                 sink: RecordSink, *, config: dict[str, Any], seed: int, max_steps: int) -> None:
+        self.every, self.at_end, self.keep_last = cfg_checkpoint.every_n_steps, cfg_checkpoint.at_end, cfg_checkpoint.keep_last
+        self.folder, self.parts, self.guard, self.sink = folder, parts, guard, sink
+        self.config, self.seed, self.max_steps = config, seed, max_steps
+        self.saved: list[str] = []
+        self.time_s = 0.0
+        if folder is not None and distributed.rank() == 0:
+            checkpoint_files.check_writable(folder)  # fail at setup, not after hours of training
+
+    # -- saving ------------------------------------------------------------------------
+
+    def maybe_save(self, step: int) -> None:
+        """Every ``checkpoint.every_n_steps`` steps; the last step is saved by :meth:`save_at_end`."""
+        if self.every and step % self.every == 0 and step != self.max_steps:
+            self.save(step)
+
+    def save_at_end(self, step: int) -> None:
+        if self.at_end:
+            self.save(step)
+
+    def save(self, step: int) -> None:
+        """Save the state after ``step``, unless a rank's last step was not finite."""
+        if self.folder is None:
+            return
+        if not self.guard.all_finite():
+            log.warning(f"step {step}: not saving a checkpoint of a non-finite state; the last good one stays")
+            return
+        with self.parts.metrics.paused():
+            t = time.perf_counter()
+            path = self._write(step, self._state())
+            seconds = time.perf_counter() - t
+            self.saved.append(str(path))
+            self.time_s += seconds
+            self.sink.write({"kind": "checkpoint", "step": step, "path": str(path), "save_s": seconds})
+
+    def _state(self) -> dict[str, Any]:
+        """Everything but the model and optimizer, gathered from the parts."""
+        parts, world = self.parts, distributed.world_size()
+        rng = capture_rng()
+        rng_ranks = distributed.gather_to_rank0(rng)  # each rank draws its own dropout masks
+        return {
+            "scheduler": parts.scheduler.state_dict(), "scaler": parts.plan.scaler_state(),
+            "rng": rng, "rng_ranks": rng_ranks if world > 1 else None, "world_size": world,
+            "data": parts.stream.position(), "tokens": parts.metrics.tokens_done,
+            "model_shape": model_shape(parts.plan.raw_model), "config": self.config,
+        }
+
+    def _write(self, step: int, state: dict[str, Any]) -> Path:
+        """Sharded (FSDP): every rank writes its shards. Otherwise rank 0 writes one file and
+        every rank waits for it, so that none runs ahead of the file or misses its failure."""
+        model, optimizer = self.parts.plan.raw_model, self.parts.optimizer
+        if self.parts.plan.sharded_state:
+            return checkpoint_files.save_sharded(self.folder, step, model, optimizer, state, self.keep_last)
+        path, error = None, None
+        if distributed.rank() == 0:
+            state.update(model=model.state_dict(), optimizer=optimizer.state_dict())
+            try:
+                path = checkpoint_files.save(self.folder, step, state, self.keep_last)
+            except checkpoint_files.CheckpointWriteError as e:
+                error = str(e)
+        path, error = distributed.from_rank0((path, error))  # a barrier
+        if error is not None:
+            raise checkpoint_files.CheckpointWriteError(error)
+        return path
+
+    def with_last_good(self, message: str) -> str:
+        """``message`` and where the run can be continued from."""
+        return message + (f"; the last good checkpoint is {self.saved[-1]}" if self.saved else "")
+
+    def summary(self) -> RunSummary:
+        return {"checkpoint_time_s": self.time_s, "checkpoints": self.saved}
+
+    # -- resuming ----------------------------------------------------------------------
+
+    def resume(self, spec: str | None) -> Start:
+        """``resume=auto|PATH``: load the checkpoint into the parts on every rank and say
+        where the loop starts; a fresh start without ``spec`` (or with ``auto`` and none)."""
+        if not spec:
+            return Start()
+        path = self._find(str(spec))
+        if path is None:
+            log.warning(f"resume=auto: no checkpoint in {self.folder}; starting from step 0 "
+                        "(to continue a run, start it with the same hydra.run.dir or checkpoint.dir)")
+            return Start()
+        ckpt = self._load_on_every_rank(path)
+        for warning in checkpoint_files.check_compatible(ckpt, model_shape(self.parts.plan.raw_model), self.config,
+                                                         path, distributed.world_size()):
+            log.warning(warning)
+        start = self._restore(ckpt, path)
+        log.info(f"resumed from {path} at step {start.step}")
+        if start.step >= self.max_steps:
+            raise ConfigError(f"resume={path} is at step {start.step}, already at max_steps={self.max_steps}; "
+                              f"raise max_steps to train further")
+        return start
+
+    def _find(self, spec: str) -> Path | None:
+        """Rank 0 picks the checkpoint (``auto``: the newest) and every rank takes that one,
+        so ranks never resume from different steps."""
+        found, error = None, None
+        if distributed.rank() == 0:
+            try:
+                if spec == "auto" and self.folder is not None:
+                    checkpoint_files.recover_interrupted_saves(self.folder)  # a sharded save cut between its renames
+                found = checkpoint_files.resolve(spec, self.folder)
+            except ConfigError as e:
+                error = str(e)
+        found, error = distributed.from_rank0((found, error))
+        if error is not None:
+            raise ConfigError(error)
+        return found
+
+    @staticmethod
+    def _load_on_every_rank(path: Path) -> dict[str, Any]:
+        """Each rank reads the checkpoint; if one cannot (a folder not shared between nodes),
+        all stop with the reason instead of waiting for each other."""
+        ckpt, problem = None, None
+        try:
+            ckpt = checkpoint_files.load(path)
+        except ConfigError as e:
+            problem = str(e)
+        if distributed.any_rank(problem is not None):
+            raise ConfigError(problem or f"resume={path}: another rank cannot read this checkpoint; put checkpoints "
+                              "on a filesystem that every node sees (checkpoint.dir=/shared/...)")
+        return ckpt
+
+    def _restore(self, ckpt: dict[str, Any], path: Path) -> Start:
+        """Load a checkpoint's state into the freshly built model, optimizer and schedule.
+
+        On as many ranks as it was saved from, every rank gets its own random state back and
+        the run continues bit for bit. On another number of ranks (a sharded checkpoint
+        reshards; a single file loads anywhere) the weights, optimizer, schedule and data
+        position carry over (the global batch is checked to be the same), but the random
+        streams are reseeded.
+        """
+        plan, optimizer = self.parts.plan, self.parts.optimizer
+        if ckpt.get("sharded_path"):
+            checkpoint_files.load_sharded_into(Path(ckpt["sharded_path"]), plan.raw_model, optimizer)
+        elif plan.sharded_state:
+            raise ConfigError(f"resume={path} is a single-file checkpoint (distributed=none or ddp) and distributed=fsdp "
+                              "reads sharded ones; resume it with distributed=ddp (any number of ranks), or start fresh")
+        else:
+            plan.raw_model.load_state_dict(ckpt["model"])
+            optimizer.load_state_dict(ckpt["optimizer"])
+        self.parts.scheduler.load_state_dict(ckpt["scheduler"])
+        plan.load_scaler_state(ckpt.get("scaler"))
+        data = ckpt["data"]
+        rank, world, saved_world = distributed.rank(), distributed.world_size(), checkpoint_files.saved_world(ckpt)
+        if saved_world == world:
+            ranks = ckpt.get("rng_ranks")
+            restore_rng(ranks[rank] if ranks else ckpt["rng"])
+        else:
+            restore_rng(ckpt["rng"])
+            distributed.seed_rank(self.seed + int(ckpt["step"]), rank)
+            log.warning(f"resume={path} was saved by {saved_world} rank(s) and continues on {world}, with the same "
+                        f"global batch and data order (from sample {data['consumed']} of epoch {data['epoch']}); the random "
+                        "streams (dropout) are reseeded per rank and sums run in another order, so not bit for bit")
+        return Start(step=int(ckpt["step"]), epoch=int(data["epoch"]), consumed=int(data["consumed"]),
+                     tokens=int(ckpt.get("tokens", 0)), checkpoint=str(path))

@@ -1,0 +1,98 @@
+"""One optimizer step, and the endless stream of batches it draws from.
+
+The step knows no knob: it enters the plan's contexts around each micro-step and leaves
+backward, unscaling, clipping and the optimizer step to the plan (fp16's loss scaling,
+FSDP's sharded gradient norm and DDP's skipped all-reduce live there).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import torch
+
+from perfrun.knobs import Plan
+from perfrun.telemetry.step_metrics import StepMetrics
+
+
+class BatchStream:
+    """Endless batches from a resumable position: (epoch, samples consumed in it).
+
+    The position counts what the loop took, not what workers prefetched, so a checkpoint
+    taken between steps resumes on exactly the next batch. Under DDP it counts the samples
+    of all ranks (each takes one batch per call), the unit the sharded sampler starts from.
+    """
+
+    def __init__(self, loader: torch.utils.data.DataLoader) -> None:
+        self.loader = loader
+        self.batch_size = int(loader.batch_size) * getattr(loader.sampler, "world", 1)
+        self.epoch = self.consumed = 0
+        self._it: Any = None  # made by start(): the loader's workers start there
+
+    def start(self, epoch: int, consumed: int) -> None:
+        self.epoch, self.consumed = epoch, consumed
+        self.loader.sampler.set_position(epoch, consumed)
+        self._it = iter(self.loader)
+
+    def next(self) -> Any:
+        try:
+            batch = next(self._it)
+        except StopIteration:
+            self.epoch, self.consumed = self.epoch + 1, 0
+            self.loader.sampler.set_position(self.epoch, 0)
+            self._it = iter(self.loader)
+            batch = next(self._it)
+        self.consumed += self.batch_size
+        return batch
+
+    def position(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "consumed": self.consumed}
+
+
+class TrainStep:
+    """``plan.micro_steps`` micro-batches (forward under the plan's contexts, the plan's
+    backward), then the plan's optimizer step and the schedule, timed phase by phase."""
+
+    def __init__(self, plan: Plan, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
+                 stream: BatchStream, metrics: StepMetrics, *, clip: float, device: torch.device) -> None:
+        self.plan, self.optimizer, self.scheduler, self.stream = plan, optimizer, scheduler, stream
+        self.metrics, self.device = metrics, device
+        self.params = [p for p in plan.raw_model.parameters() if p.requires_grad]
+        self.clip = clip if clip > 0 else math.inf
+
+    def start(self, epoch: int, consumed: int) -> None:
+        """Batches from the given position, the model in training mode."""
+        self.stream.start(epoch, consumed)
+        self.plan.model.train()
+
+    def __call__(self, step: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """Run optimizer step ``step``; return its loss and gradient norm (on the device,
+        unsynchronised) and the seconds spent waiting for batches."""
+        plan, micro, mark, device = self.plan, self.plan.micro_steps, self.metrics.phases.mark, self.device
+        self.metrics.begin_step()
+        wait = 0.0
+        step_loss = torch.zeros((), device=device)
+        for i in range(micro):
+            t = time.perf_counter()
+            x, y = self.stream.next()
+            wait += time.perf_counter() - t
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            mark("data")
+            with plan.micro_step_context(i, micro):  # DDP, FSDP: gradients synchronised on the last only
+                with plan.forward_context():
+                    _, loss = plan.model(x, y)
+                    loss = loss / micro
+                mark("forward")
+                plan.backward(loss)
+                mark("backward")
+            step_loss += loss.detach()
+        grad_norm = plan.optimizer_step(self.optimizer, self.params, self.clip)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        mark("optimizer")
+        self.metrics.end_step()
+        for hook in plan.step_hooks:
+            hook(step)
+        return step_loss, grad_norm, wait
