@@ -41,6 +41,14 @@ def _cache_dir(tmp_path_factory: pytest.TempPathFactory) -> None:
     os.environ["PERFRUN_CACHE"] = str(tmp_path_factory.mktemp("perfrun-cache"))
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _no_compiled_code_between_files() -> Iterator[None]:
+    """What a test file compiles stays in that file: tests that check a job leaves torch's
+    global state as it found it must not see another file's compiled frames."""
+    yield
+    torch._dynamo.reset()
+
+
 @pytest.fixture(scope="module")
 def one_thread() -> Iterator[None]:
     """Tiny models run fastest on one thread, and a second process on this 2-core box
