@@ -45,6 +45,8 @@ COMMANDS = {
 # The other commands: each module's main(argv) -> exit code, imported only when used.
 _MODULES = {"gpu-check": "perfrun.gpucheck", "report": "perfrun.report", "tune": "perfrun.tune",
             "generate": "perfrun.generate", "export": "perfrun.export", "prepare": "perfrun.prepare"}
+# the other commands that are Hydra apps: Tab completes their keys as it does train's
+HYDRA_COMMANDS = ("tune", "generate", "export", "prepare")
 _FAILED_JOBS: list[str] = []
 PARALLEL = ("ddp", "fsdp")  # the distributed= values that run one process per GPU
 # conf/ groups that ``perfrun train --help`` does not offer: +sweep=ablation picks their options
@@ -363,9 +365,13 @@ def _complete_subcommand() -> int | None:
     """Shell completion: strip the subcommand from COMP_LINE, or complete the subcommand."""
     line = os.environ.get("COMP_LINE", "")
     words = line.split()
-    if len(words) >= 2 and words[1] == "train" and (len(words) > 2 or line.endswith(" ")):
-        os.environ["COMP_LINE"] = line.replace(" train", "", 1)
-        return None
+    if len(words) >= 2 and words[1] in ("train", *HYDRA_COMMANDS) and (len(words) > 2 or line.endswith(" ")):
+        os.environ["COMP_LINE"] = line.replace(f" {words[1]}", "", 1)
+        if words[1] == "train":
+            return None
+        import importlib
+
+        return importlib.import_module(_MODULES[words[1]]).main(["-sc", "query=bash"])
     prefix = words[1] if len(words) >= 2 and not line.endswith(" ") else ""
     print(" ".join(c for c in COMMANDS if c.startswith(prefix)))
     return 0

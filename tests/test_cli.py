@@ -58,6 +58,14 @@ def test_shell_completion_through_the_subcommand(tmp_path: Path) -> None:
     assert sub.stdout.split() == ["gpu-check"]
 
 
+@pytest.mark.parametrize(("line", "expected"), [("perfrun generate max_n", ["max_new_tokens="]),
+                                                 ("perfrun prepare tok", ["tokenizer="]),
+                                                 ("perfrun tune tune.st", ["tune.start=", "tune.steps="])])
+def test_shell_completion_of_the_other_hydra_commands(tmp_path: Path, line: str, expected: list[str]) -> None:
+    q = run_cli("-sc", "query=bash", cwd=tmp_path, env={"COMP_LINE": line, "COMP_POINT": str(len(line))})
+    assert q.returncode == 0 and sorted(q.stdout.split()) == expected
+
+
 def test_plain_run_writes_its_run_dir(tmp_path: Path) -> None:
     r = run_cli("train", "device=cpu", "max_steps=50", *TINY_MODEL, "log_every=10", "eval_batches=2", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
