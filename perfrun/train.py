@@ -34,6 +34,7 @@ from perfrun.guards import Diverged, GracefulStop, Interrupted, NonFiniteGuard
 from perfrun.knobs import Plan, apply_knobs
 from perfrun.model import GPT, GPTConfig, padded_vocab
 from perfrun.optim import build_optimizer, build_scheduler
+from perfrun.telemetry import contention
 from perfrun.telemetry.profiling import attach_profiler, dump_memory_snapshot, start_memory_history
 from perfrun.telemetry.sinks import ConsoleReporter, JsonlSink
 from perfrun.telemetry.throughput import PhaseTimer, StepTimer, Throughput, median
@@ -651,6 +652,8 @@ def run(cfg: Any, run_dir: Path | None, *, overrides: list[str] | None = None) -
                 if ranks:
                     summary["monitor_ranks"] = ranks
                     summary["monitor_job"] = _job_energy(ranks, figures["tokens"] - start.tokens)
+                summary["contention"] = contention.assess(summary["monitor"])
+                contention.say(summary["contention"])
             del s
         if figures["failure"]:
             raise RunFailed(figures["failure"])
