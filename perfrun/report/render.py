@@ -10,6 +10,7 @@ import csv
 import html
 import io
 import json
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -162,6 +163,27 @@ def sections(report: Report) -> list[Section]:
     return out
 
 
+def header(report: Report) -> list[str]:
+    """What the report is of: the machine, the software, when, the command and the folder."""
+    import datetime
+
+    rows = report.rows
+    env = {k: v for r in rows for k, v in (("machine", r.device_name), ("software", r.software)) if v}
+    stamps = [p.joinpath("summary.json").stat().st_mtime for p in report.paths.values() if (p / "summary.json").is_file()]
+    when = datetime.datetime.fromtimestamp(max(stamps), tz=datetime.UTC).strftime("%Y-%m-%d %H:%M UTC") if stamps else None
+    common = common_overrides(report)
+    swept = []
+    for k in (k for k in report.swept_keys if k != "source"):
+        plus = "+" if any(o.startswith(f"+{k}=") for r in rows for o in r.overrides) else ""
+        swept.append(f"{plus}{k}=" + ",".join(dict.fromkeys(str(r.swept.get(k)) for r in rows)))
+    folders = os.path.commonpath([str(p) for p in report.paths.values()]) if report.paths else "?"
+    lines = [f"machine: {env.get('machine', 'not recorded')} ({env.get('software', 'versions not recorded')})"]
+    lines += [f"finished: {when}"] if when else []
+    lines += [f"command: perfrun train {'-m ' if len(rows) > 1 else ''}{' '.join([*common, *swept])}".rstrip()]
+    lines += [f"from: {folders}"]
+    return lines
+
+
 def notes(report: Report) -> list[str]:
     """Lines printed under the tables: why jobs failed, which shared the machine, ladder notes
     and each ladder's verdict, the line to paste."""
@@ -178,6 +200,8 @@ def notes(report: Report) -> list[str]:
 def print_report(report: Report, console: Console | None = None) -> None:
     tables = [rich_table(s.columns, s.rows, s.mark, title=s.title, caption=s.caption) for s in sections(report)]
     console = console or wide_console(tables)
+    for line in header(report):
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
     for t in tables:
         console.print(t)
     for line in notes(report):
@@ -196,14 +220,14 @@ HTML_HEAD = (
     "body{font-family:system-ui,sans-serif;margin:2em}table{border-collapse:collapse;margin:1em 0}"
     "td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}.l{text-align:left}"
     "tr.best{background:#e6ffe6;font-weight:bold}tr.bad{color:#b00}caption{caption-side:bottom;text-align:left;"
-    "color:#555;font-size:90%}\n"
+    "color:#555;font-size:90%}.head{color:#333;font-family:monospace}img{max-width:100%}\n"
     "</style></head><body><h1>perfrun report</h1>"
 )
 
 
 def to_html(report: Report, png: bytes | None) -> str:
     """A static page: the tables and the plot, with nothing to fetch."""
-    parts = [HTML_HEAD]
+    parts = [HTML_HEAD, "<p class='head'>" + "<br>".join(html.escape(h) for h in header(report)) + "</p>"]
     for i, sec in enumerate(sections(report)):
         if i:
             parts.append(f"<h2>{html.escape(sec.title)}</h2>")
@@ -237,7 +261,7 @@ def machine(rows: Sequence[Row]) -> str:
 
 def to_markdown(report: Report) -> str:
     """GitHub Markdown: the runs table, then the other tables with their machine and method named."""
-    out = [f"Runs on {machine(report.rows)}."]
+    out = [f"Runs on {machine(report.rows)}.", "", *(f"- {h}" for h in header(report)), ""]
     common = common_overrides(report)
     if common and report.swept_keys:
         out.append(f"Every job: `{' '.join(common)}`.")
