@@ -156,6 +156,10 @@ def _entry(rs: _Rungs, rung: str, against: Spread | None = None, base: Spread | 
         "first_step_s": _median([r.first_step_s for r in counted]),
         **rs.loss(rung),
     }
+    if not out["applicable"]:  # not measured: no figure of it stands in the tables
+        out.update(peak_mem_mib=None, first_step_s=None, loss=None, loss_rel_diff=None, loss_steps=None)
+    if rung == "naive":
+        out.update(vs_baseline=None, vs_baseline_noise_pct=None, vs_baseline_measurable=None)
     out["verdict"] = _verdict(rs, rung, out, e_below)
     return out
 

@@ -143,7 +143,7 @@ def sections(report: Report) -> list[Section]:
     out = [Section("perfrun: runs", run_columns(report), report.rows, run_mark,
                    BEST_CAPTION + (f" · peak memory: {', '.join(mem_sources)}" if mem_sources else ""))]
     repeated = [g for g in report.groups if len(g.jobs) > 1]
-    if repeated:
+    if repeated and not report.ablations:  # a ladder's tables group its repeats themselves
         out.append(Section("repeats of the same overrides", GROUP_COLUMNS, report.groups, group_mark, REPEATS_CAPTION))
     for a in report.ablations:
         where = _where(a)
