@@ -303,7 +303,7 @@ def _tune(plan: Plan) -> int:
     from rich.console import Console
 
     from perfrun.atomic import json_safe, write_json
-    from perfrun.console import error, wide_console
+    from perfrun.console import error, warn, wide_console
 
     console = Console(highlight=False, soft_wrap=True, stderr=plan.settings.json)
     shown: list[TrialResult] = []
@@ -339,6 +339,9 @@ def _tune(plan: Plan) -> int:
         first = next((r.reason for r in result.trials if r.reason), "no trial ran")
         error(f"tune: every trial failed, so there is no winner; the first said: {first}")
         return 1
+    if winner.contended:
+        warn("tune: every trial shared the machine with other processes (contended), so this winner may reflect "
+             "them as much as its knobs; rerun on a quiet machine")
     if not plan.settings.json:
         console.print(f"best: {winner.tokens_per_s:,.0f} tok/s ({len(result.trials)} trials). Paste:", markup=False)
         console.print(command_line(winner.candidate, plan.overrides), markup=False)
