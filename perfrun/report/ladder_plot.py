@@ -63,7 +63,8 @@ def _leave_one_out(ax: Any, a: dict[str, Any]) -> None:
     rows = [e for e in a["leave_one_out"] if finite(e["vs_below"])]
     ax.barh(range(len(rows)), [e["vs_below"] for e in rows],
             color=["tab:red" if e["vs_below_measurable"] else "tab:gray" for e in rows])
-    ax.axvline(1.0, color="black", linewidth=0.8)
+    if rows:
+        ax.axvline(1.0, color="black", linewidth=0.8)
     ax.set_yticks(range(len(rows)), labels=[f"without {e['knob']}" for e in rows], fontsize=8)
     ax.set_title(f"leave-one-out: tokens/s against the top ({a['top']})\n(grey: no measurable effect)", fontsize=9)
 
