@@ -223,18 +223,19 @@ def _line_to_paste(rs: _Rungs, ladder: list[dict[str, Any]], keep: list[str]) ->
 
 
 def _recommend(rs: _Rungs, ladder: list[dict[str, Any]], without: list[dict[str, Any]]) -> dict[str, Any]:
-    """The top rung's knobs, less those that bought nothing measurable (fewer knobs win a tie)
-    or broke loss parity. Its figures are those of the job that ran exactly that set: the top
+    """The top rung's knobs, less those that bought nothing measurable (fewer knobs win a tie;
+    a rung with no spread, one run on either side, bought nothing measured) or broke loss parity. Its figures are those of the job that ran exactly that set: the top
     rung, or the top without the one knob dropped; else the top's, said so."""
     climbed = [e for e in ladder if e["step"] and e["applicable"]]
     keep = [e["rung"] for e in climbed if e["vs_below"] is not None and e["vs_below"] > 1
-            and e["vs_below_measurable"] is not False and e["parity"] != "FLAGGED"]
+            and e["vs_below_measurable"] is True and e["parity"] != "FLAGGED"]
     dropped = [e["rung"] for e in climbed if e["rung"] not in keep]
     if not keep:
         unranked = all(e["n"] == 0 and e["contended"] for e in ladder if e["applicable"])
         return {"knobs": [], "dropped": dropped, "line": "perfrun train",
                 "why": "no rung can be ranked: every job shared the machine (contended); rerun on a quiet machine"
-                if unranked else "no rung was measurably faster than the one below it"}
+                if unranked else "no rung was measurably faster than the one below it (two uncontended runs of "
+                "each are needed to measure a spread)"}
     ran = climbed[-1]
     exact = not dropped
     if len(dropped) == 1:
