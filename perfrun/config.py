@@ -163,6 +163,20 @@ class LoggerConfig:
 
 
 @dataclass
+class AblationConfig:
+    """A job's place in the measured ladder (``+sweep=ablation``, conf/ablation/): read by
+    perfrun report to build the ladder, leave-one-out and trade-off tables; training ignores it."""
+
+    rung: str = ""  # the rung's name; "" outside an ablation
+    kind: str = ""  # ladder | without | alternative | tradeoff | seed
+    step: int = 0  # ladder: its place from the naive trainer (0) up
+    knob: str = ""  # without: the knob turned off; alternative: the rung it stands in for
+    acts_on: str = "any"  # any | cuda: the device the rung's knob can act on
+    why: str = ""  # what the knob does (and why it cannot act elsewhere)
+    repeats: int = 3  # +sweep=ablation: jobs per rung (repeat=0..repeats-1, interleaved)
+
+
+@dataclass
 class TrainConfig:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     checkpointing: ActivationCheckpointingConfig = field(default_factory=ActivationCheckpointingConfig)
@@ -196,6 +210,8 @@ class TrainConfig:
     fsdp: FsdpOptions = field(default_factory=FsdpOptions)
     nproc: int = 1  # ddp, fsdp: processes on this machine; perfrun train starts torchrun for nproc > 1
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    repeat: int = 0  # which repeat of a sweep's measurement this job is; report groups repeats by it
+    ablation: AblationConfig = field(default_factory=AblationConfig)
 
 
 def config_dir() -> str:
@@ -213,7 +229,19 @@ def config_dir() -> str:
 def register_configs() -> None:
     """Register the schema; train.yaml lists it first in its defaults, so every group's
     YAML is merged onto (and checked against) its typed field of TrainConfig."""
+    from omegaconf import OmegaConf
+
     ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+    OmegaConf.register_new_resolver("perfrun.if_cuda", if_cuda, replace=True)
+
+
+def if_cuda(device: str, on_cuda: Any, otherwise: Any) -> Any:
+    """``${perfrun.if_cuda:${device},A,B}``: A where ``device`` trains on CUDA, else B. The
+    ablation's YAML turns on a CUDA-only knob (precision.tf32) only where it can act."""
+    import torch
+
+    device = str(device)
+    return on_cuda if device.startswith("cuda") or (device == "auto" and torch.cuda.is_available()) else otherwise
 
 
 CHOICES = {

@@ -68,7 +68,9 @@ class RunSummary(TypedDict, total=False):
     mfu_median: float | None
     peak_mem_mib: float
     peak_mem_source: str
-    data_wait_pct: float | None
+    data_wait_pct: float | None  # old runs' name of host_data_wait_pct
+    host_data_wait_pct: float | None  # the host's wait for the DataLoader, % of the step's wall time
+    gpu_starved_pct: float | None  # CUDA: % of the step the GPU waited for its next batch
     compile_s_estimate: float | None
     final_train_loss: float | None
     final_val_loss: float | None
@@ -80,6 +82,7 @@ class RunSummary(TypedDict, total=False):
     monitor: dict[str, Any]
     monitor_ranks: list[dict[str, Any]]
     monitor_job: dict[str, Any]
+    contention: dict[str, Any]  # did the job have the machine? telemetry.contention.assess
 
 
 def read_summary(path: Path) -> RunSummary:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 
 def failed_jobs(sweep_dir: Path) -> list[str]:
@@ -41,6 +41,13 @@ class SweepSummary(Callback):
     """On multirun end: sweep_summary.csv/.json/.png in the sweep dir and the table on the console."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        repeats = OmegaConf.select(config, "ablation.repeats")
+        if isinstance(repeats, int) and repeats < 1:  # the ladder would launch no job at all
+            from perfrun.console import error
+
+            error(f"ablation.repeats={repeats} must be >= 1 (the runs of each rung); set ablation.repeats=3, "
+                  "or 1 for a single pass")
+            raise SystemExit(2)
         if saves_no_checkpoints(config):
             from rich.console import Console
 

@@ -35,6 +35,7 @@ from perfrun.optim import build_optimizer, build_scheduler
 from perfrun.pretrained import init_from
 from perfrun.step import BatchStream, TrainStep
 from perfrun.summary import RunSummary
+from perfrun.telemetry import contention
 from perfrun.telemetry.loggers import build_sinks
 from perfrun.telemetry.mfu import mfu_dtype, resolve_peak
 from perfrun.telemetry.profiling import attach_profiler, dump_memory_snapshot, start_memory_history
@@ -225,6 +226,10 @@ def run(cfg: Any, run_dir: Path | None, *, overrides: list[str] | None = None) -
             loop.metrics.start_monitor(cfg.monitor, device, stack)
             with reporter:
                 summary.update(_train(cfg, loop, start, run_dir, snapshot=bool(built.facts["memory_snapshot"] and main)))
+            if "monitor" in summary:  # did this job have the machine to itself?
+                summary["contention"] = contention.assess(summary["monitor"])
+                if main:
+                    contention.say(summary["contention"])
             if built.facts["memory_snapshot"] and main:
                 summary["memory_snapshot_path"] = dump_memory_snapshot(run_dir, "end of the job")
             del built, loop

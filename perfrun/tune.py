@@ -17,7 +17,10 @@ handful of trials rather than the grid:
    code can use less memory and so fit more).
 4. **workers** (each other option): one trial at the best.
 
-The winner is the fastest completed trial of all. Any searched key given on the command
+The winner is the fastest completed trial of all, unless a trial within ``tune.min_gain``
+of it (inside the noise) turns on fewer knobs: then that one, since a difference the noise
+can make is no reason to add a knob; a trial that shared the machine (contended) wins only
+if every trial did. Any searched key given on the command
 line (``dataloader.batch_size=16``, ``checkpointing=full``, ``compile=true``,
 ``dataloader.num_workers=2``) is held fixed. The trials measure: they save no checkpoints
 unless the command line asks (``checkpoint.at_end=true``, ``checkpoint.every_n_steps=N``).
@@ -68,7 +71,7 @@ class TrainTrial:
         self.overrides = list(overrides)
         self.out_dir = out_dir
         self.settings = [f"max_steps={steps}", f"timing_warmup_steps={warmup}", f"log_every={steps}",
-                         "eval_every=0", "eval_batches=1", "progress=off", "monitor.every_n_steps=0",
+                         "eval_every=0", "eval_batches=1", "progress=off", f"monitor.every_n_steps={steps}",
                          *no_checkpoints]
         self.count = 0
 
@@ -108,6 +111,7 @@ class TrainTrial:
             candidate, "completed" if tps is not None else "failed", tokens_per_s=tps,
             peak_mem_mib=s.get("peak_mem_mib"), step_time_ms=s.get("step_time_ms_median"),
             first_step_s=s.get("first_step_s"), run_dir=str(run_dir), seconds=time.perf_counter() - t0,
+            contended=(s.get("contention") or {}).get("contended"),
             reason=None if tps is not None else "no steady step was timed; raise tune.steps (--steps) above tune.warmup",
         )
 
@@ -299,7 +303,7 @@ def _tune(plan: Plan) -> int:
     from rich.console import Console
 
     from perfrun.atomic import json_safe, write_json
-    from perfrun.console import error, wide_console
+    from perfrun.console import error, warn, wide_console
 
     console = Console(highlight=False, soft_wrap=True, stderr=plan.settings.json)
     shown: list[TrialResult] = []
@@ -335,6 +339,9 @@ def _tune(plan: Plan) -> int:
         first = next((r.reason for r in result.trials if r.reason), "no trial ran")
         error(f"tune: every trial failed, so there is no winner; the first said: {first}")
         return 1
+    if winner.contended:
+        warn("tune: every trial shared the machine with other processes (contended), so this winner may reflect "
+             "them as much as its knobs; rerun on a quiet machine")
     if not plan.settings.json:
         console.print(f"best: {winner.tokens_per_s:,.0f} tok/s ({len(result.trials)} trials). Paste:", markup=False)
         console.print(command_line(winner.candidate, plan.overrides), markup=False)

@@ -19,6 +19,10 @@ class Candidate:
     compile: bool = False
     num_workers: int = 0
 
+    def knobs(self) -> int:
+        """How many knobs it turns on beyond plain training: fewer wins a tie."""
+        return (self.checkpointing != "none") + bool(self.compile) + (self.num_workers > 0)
+
     def overrides(self) -> list[str]:
         return [f"dataloader.batch_size={self.batch_size}", f"checkpointing={self.checkpointing}",
                 f"compile={str(self.compile).lower()}", f"dataloader.num_workers={self.num_workers}"]
@@ -38,6 +42,7 @@ class TrialResult:
     run_dir: str | None = None
     phase: str = ""
     seconds: float | None = None
+    contended: bool | None = None  # the trial shared the machine (summary contention)
 
     @property
     def ok(self) -> bool:
@@ -128,4 +133,16 @@ def search(
         lead = leader()
         if lead is not None:
             measure(replace(lead.candidate, num_workers=w), "workers")
-    return TuneResult(order, leader())
+    return TuneResult(order, winner(order, space.min_gain))
+
+
+def winner(trials: list[TrialResult], noise: float) -> TrialResult | None:
+    """The fastest trial, unless another within ``noise`` (a fraction) of it turns on fewer
+    knobs: a difference inside the noise is no reason to add a knob. Contended trials (that
+    shared the machine) never win while another did not."""
+    done = [r for r in trials if r.ok and not r.contended] or [r for r in trials if r.ok]
+    if not done:
+        return None
+    fastest = max(r.tokens_per_s for r in done)  # type: ignore[type-var]
+    near = [r for r in done if r.tokens_per_s >= fastest * (1 - noise)]  # type: ignore[operator]
+    return min(near, key=lambda r: (r.candidate.knobs(), -r.tokens_per_s))  # type: ignore[operator]

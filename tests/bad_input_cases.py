@@ -60,6 +60,8 @@ CASES = [
     Case("memory snapshot on the CPU", ("train", "memory_snapshot=true"), "memory_snapshot=true records the CUDA allocator"),
     Case("profiler window beyond max_steps", ("train", "profile=true"), "raise max_steps"),
     Case("sweep syntax without -m", ("train", "precision=bf16,fp16"), "Ambiguous value"),
+    Case("a ladder of no repeats", ("train", "-m", "+sweep=ablation", "ablation.repeats=0"),
+         "ablation.repeats=0 must be >= 1", small=False),
     Case("several processes, no distributed mode", ("train", "nproc=2"), "nproc=2 needs distributed=ddp or fsdp"),
     Case("unknown distributed mode", ("train", "distributed=zero3"), "distributed=zero3 is not an option"),
     Case("unknown compile scope", ("train", "compile_options.scope=layers"), "compile_options.scope=layers is not an option"),

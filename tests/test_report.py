@@ -1,6 +1,6 @@
 """perfrun report on run dirs written by hand (no training: fast): rows come from each
 summary.json, CSV/JSON/HTML agree with them, one column specification gives the same
-columns in every format, the ablation's ratios and loss-parity flag, bad paths get one
+columns in every format (the ladder's maths: test_ladder.py), bad paths get one
 line, and no matplotlib means one warning, not a crash. One test trains two tiny runs to
 show the effective value of a key one of them left at its default."""
 
@@ -15,10 +15,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_ladder import plant_ladder
 
 from perfrun import report
 from perfrun.cli import train_main
-from perfrun.report.columns import ABLATION_COLUMNS, run_columns, shown
+from perfrun.report.columns import LADDER_COLUMNS, run_columns, shown
+from perfrun.report.render import sections
 from perfrun.sweep import SweepSummary
 from perfrun.tune import kept_logging
 
@@ -173,53 +175,6 @@ def test_sweep_callback_writes_and_never_raises(tmp_path: Path, capsys: pytest.C
     assert len(err) == 1 and "no sweep summary" in err[0]
 
 
-def make_ablation(root: Path) -> None:
-    base = {10: 3.0, 20: 2.5, 30: 2.2, 40: 2.0, 50: 1.9}
-    make_job(root / "0", ["+ablation=baseline"], tps=1000.0, mem=200.0, losses=base, first_step=0.5)
-    make_job(root / "1", ["+ablation=bf16"], tps=1900.0, mem=120.0, first_step=0.6,
-             losses={k: v * 1.005 for k, v in base.items()})
-    # fp16 that derails: fine early, 10% worse at the end
-    make_job(root / "2", ["+ablation=fp16"], tps=2000.0, mem=120.0,
-             losses={k: v * (1.10 if k >= 50 else 1.0) for k, v in base.items()})
-    make_job(root / "3", ["+ablation=compile"], tps=2500.0, mem=180.0, first_step=30.0, losses=base)
-    make_job(root / "4", ["+ablation=checkpointing"], status="failed", tps=None, reason="planted failure")
-
-
-def test_ablation_ratios_and_loss_parity(tmp_path: Path) -> None:
-    make_ablation(tmp_path)
-    (a,) = report.load([tmp_path]).ablations
-    knobs = {k["knob"]: k for k in a["knobs"]}
-    assert a["baseline"] == "0" and a["loss_tol"] == report.DEFAULT_LOSS_TOL and a["device_name"] == "Test GPU 9000"
-    assert knobs["baseline"]["speedup"] == 1.0 and knobs["baseline"]["parity"] == "ok"
-    assert knobs["bf16"]["speedup"] == pytest.approx(1.9) and knobs["bf16"]["mem_ratio"] == pytest.approx(0.6)
-    assert knobs["bf16"]["loss_rel_diff"] == pytest.approx(0.005) and knobs["bf16"]["parity"] == "ok"
-    assert knobs["fp16"]["loss_rel_diff"] == pytest.approx(0.10) and knobs["fp16"]["parity"] == "EXCEEDED"
-    assert knobs["compile"]["first_step_s"] == 30.0 and knobs["compile"]["loss_rel_diff"] == 0.0
-    assert knobs["checkpointing"]["status"] == "failed" and knobs["checkpointing"]["parity"] == "n/a"
-    # a looser tolerance clears the flag; the tolerance is stated in the output
-    loose = report.load([tmp_path], loss_tol=0.2).ablations[0]
-    assert {k["knob"]: k["parity"] for k in loose["knobs"]}["fp16"] == "ok"
-    text = report.render_text(report.load([tmp_path]), width=220)
-    assert "tolerance ±2.0%" in text and "Test GPU 9000" in text
-    fp16_line = next(line for line in text.splitlines() if line.startswith("│ fp16"))
-    assert "EXCEEDED" in fp16_line and "1.90×" not in fp16_line and "2.00×" in fp16_line
-
-
-def test_ablation_without_a_baseline_says_so(tmp_path: Path) -> None:
-    make_job(tmp_path / "0", ["+ablation=bf16"])
-    (a,) = report.load([tmp_path]).ablations
-    assert a["baseline"] is None and "no completed baseline" in a["notes"][0]
-    assert all(k["speedup"] is None for k in a["knobs"])
-
-
-def test_a_baseline_with_knobs_on_is_called_out(tmp_path: Path) -> None:
-    make_job(tmp_path / "0", ["+ablation=baseline", "precision=bf16"],
-             knobs={"precision": "bf16", "compile": False, "checkpointing": "none", "cudnn_benchmark": False})
-    make_job(tmp_path / "1", ["+ablation=compile", "precision=bf16"])
-    (a,) = report.load([tmp_path]).ablations
-    assert any("not a baseline: precision=bf16" in n for n in a["notes"])
-
-
 def headers(report_: report.Report) -> dict[str, list[list[str]]]:
     """Each table's column headings as each format writes them (the runs table first)."""
     text = report.render_text(report_, width=300)
@@ -233,26 +188,29 @@ def headers(report_: report.Report) -> dict[str, list[list[str]]]:
 
 
 def test_one_column_spec_gives_the_same_columns_in_every_format(tmp_path: Path) -> None:
-    make_ablation(tmp_path)
+    plant_ladder(tmp_path)
     r = report.load([tmp_path])
-    runs = run_columns(r)
-    in_tables = [c.header for c in shown(runs, r.rows, tables=True)]
-    knobs = r.ablations[0]["knobs"]
-    ablation = [c.header for c in shown(ABLATION_COLUMNS, knobs, tables=True)]
+    secs = sections(r)
+    expected = [[c.header for c in shown(sec.columns, sec.rows, tables=True)] for sec in secs]
+    assert [sec.title.split(" ")[0] for sec in secs] == ["perfrun:", "ladder", "alternatives",
+                                                         "leave-one-out", "memory"]
     found = headers(r)
     for fmt in ("rich", "html", "markdown"):
-        assert found[fmt] == [in_tables, ablation], fmt
+        assert found[fmt] == expected, fmt
+    runs = run_columns(r)
     csv_names = found["csv"][0]
     assert csv_names == [c.name for c in shown(runs, r.rows, tables=False)]
     table_names = [c.name for c in shown(runs, r.rows, tables=True)]
     assert [n for n in csv_names if n in table_names] == table_names  # the same columns, in the same order
-    assert set(csv_names) - set(table_names) == {"ablation", "reason"}  # the swept key, and why job 4 failed
-    # each cell is formatted once: the ablation's fp16 line reads the same in all three tables
-    fp16 = [c.cell(next(k for k in knobs if k["knob"] == "fp16")) for c in shown(ABLATION_COLUMNS, knobs, tables=True)]
-    assert fp16[3] == "2.00×" and fp16[-1] == "EXCEEDED"
-    assert "| " + " | ".join(fp16) + " |" in report.to_markdown(r)
-    opens = ["<td class='l'>" if h in ("knob", "status", "parity") else "<td>" for h in ablation]
-    assert "".join(f"{o}{html.escape(v)}</td>" for o, v in zip(opens, fp16, strict=True)) in report.to_html(r, None)
+    assert set(csv_names) - set(table_names) == {"ablation"}  # the swept key
+    # each cell is formatted once: the ladder's bf16 line reads the same in all three tables
+    ladder = next(sec for sec in secs if sec.title.startswith("ladder"))
+    bf16 = [c.cell(next(e for e in ladder.rows if e["rung"] == "bf16")) for c in shown(LADDER_COLUMNS, ladder.rows,
+                                                                                        tables=True)]
+    assert bf16[2] == "1,500 ±2.3%" and bf16[3].startswith("1.50× (±")
+    assert "| " + " | ".join(bf16) + " |" in report.to_markdown(r)
+    opens = ["<td class='l'>" if c.justify == "left" else "<td>" for c in shown(LADDER_COLUMNS, ladder.rows, tables=True)]
+    assert "".join(f"{o}{html.escape(v)}</td>" for o, v in zip(opens, bf16, strict=True)) in report.to_html(r, None)
 
 
 def test_a_column_with_no_figure_in_any_row_is_left_out_of_every_format(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ import csv
 import io
 import json
 from collections.abc import Iterator
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -96,7 +97,7 @@ def test_ablation_jobs_save_no_checkpoints_and_say_so(
 ) -> None:
     monkeypatch.chdir(tmp_path)
     sweep = tmp_path / "sweep"
-    assert train_main(["-m", "+sweep=ablation", "+ablation=baseline,cudnn_benchmark", *QUICK,
+    assert train_main(["-m", "+sweep=ablation", "ablation.repeats=1", "+ablation=naive,sdpa", *QUICK,
                        f"hydra.sweep.dir={sweep}"]) == 0
     out = capsys.readouterr().out
     said = [line for line in out.splitlines() if "save no checkpoints" in line]
@@ -105,7 +106,8 @@ def test_ablation_jobs_save_no_checkpoints_and_say_so(
     jobs = [json.loads((sweep / str(i) / "summary.json").read_text()) for i in range(2)]
     assert all(j["status"] == "completed" and j["checkpoints"] == [] for j in jobs)
     assert [p for p in sweep.rglob("*") if p.is_file() and "checkpoints" in p.parts] == []
-    assert "each knob against the baseline" in out and "cudnn_benchmark" in out  # the per-knob table
+    assert "each rung adds one knob to the rung below" in out and "│ sdpa" in out  # the ladder's table
+    assert "verdict: perfrun train" in out  # the line to paste
 
 
 def test_out_of_memory_job_does_not_stop_the_sweep_nor_leak(
@@ -138,35 +140,58 @@ def test_out_of_memory_job_does_not_stop_the_sweep_nor_leak(
     assert [row["status"] for row in data["rows"]] == ["completed", "failed", "completed"]
 
 
-def test_ablation_preset_composes_baseline_each_knob_and_all() -> None:
+LADDER = ["naive", "tf32", "bf16", "sdpa", "fused_adamw", "compile", "workers"]
+
+
+def knobs(cfg) -> dict:  # noqa: ANN001
+    return {"precision": cfg.precision.name, "tf32": cfg.precision.tf32, "attention": cfg.attention,
+            "fused": cfg.optim.fused, "compile": cfg.compile, "workers": cfg.dataloader.num_workers,
+            "checkpointing": cfg.checkpointing.name, "accumulation": cfg.accumulation.steps,
+            "batch": cfg.dataloader.batch_size}
+
+
+def test_ablation_preset_composes_a_cumulative_ladder_leave_one_out_and_tradeoffs() -> None:
     register_configs()
     with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
-        params = compose("train", overrides=["+sweep=ablation"], return_hydra_config=True).hydra.sweeper.params
-        choices = params["+ablation"].split(",")
-        cfgs = {c: compose("train", overrides=[f"+ablation={c}"]) for c in choices}
+        sweep = compose("train", overrides=["+sweep=ablation"], return_hydra_config=True)
+        params = sweep.hydra.sweeper.params
+        choices = [c.strip() for c in params["+ablation"].split(",")]
+        cfgs = {c: compose("train", overrides=["+sweep=ablation", f"+ablation={c}"]) for c in choices}
+        on_cuda = compose("train", overrides=["+sweep=ablation", "+ablation=bf16", "device=cuda"])
         default_seed = compose("train").seed
-    assert choices[0] == "baseline" and choices[-1] == "all"
-    assert sorted(p.stem for p in (REPO / "conf" / "ablation").glob("*.yaml")) == sorted(choices)
-
-    def knobs(cfg) -> dict:  # noqa: ANN001
-        return {"precision": cfg.precision.name, "compile": cfg.compile, "checkpointing": cfg.checkpointing.name,
-                "cudnn_benchmark": cfg.cudnn_benchmark, "num_workers": cfg.dataloader.num_workers}
-
-    base = knobs(cfgs["baseline"])
-    assert base == {"precision": "none", "compile": False, "checkpointing": "none", "cudnn_benchmark": False,
-                    "num_workers": 0}
-    changed = {c: {k for k, v in knobs(cfg).items() if v != base[k]} for c, cfg in cfgs.items()}
-    assert all(cfg.seed == default_seed for cfg in cfgs.values())  # same seed: same weights and data order
-    assert changed["bf16"] == changed["fp16"] == {"precision"}
-    assert changed["compile"] == {"compile"} and changed["checkpointing"] == {"checkpointing"}
-    assert changed["cudnn_benchmark"] == {"cudnn_benchmark"} and changed["dataloader"] == {"num_workers"}
-    assert changed["all"] == set(base)  # every knob at once
-    assert changed["baseline"] == set()
+    # one job per (repeat, rung), the repeat first so that the rungs vary fastest; 5 repeats off CUDA
+    assert list(params) == ["repeat", "+ablation"] and params["repeat"] == "range(0,5)"
+    assert on_cuda.ablation.repeats == 3 and on_cuda.precision.tf32  # TF32 acts where it can
+    assert sorted(p.stem for p in (REPO / "conf" / "ablation").glob("*.yaml")) == sorted([*choices, "top"])
+    assert [c for c in choices if cfgs[c].ablation.kind == "ladder"] == LADDER
+    # each rung adds exactly one knob to the rung below (tf32 adds none off CUDA: not applicable there)
+    added = {c: {k for k, v in knobs(cfgs[c]).items() if v != knobs(cfgs[b])[k]} for b, c in pairwise(LADDER)}
+    assert added == {"tf32": set(), "bf16": {"precision"}, "sdpa": {"attention"}, "fused_adamw": {"fused"},
+                     "compile": {"compile"}, "workers": {"workers"}}
+    assert cfgs["tf32"].ablation.acts_on == "cuda" and "CUDA" in cfgs["tf32"].ablation.why
+    assert knobs(cfgs["naive"]) == {"precision": "none", "tf32": False, "attention": "eager", "fused": "false",
+                                    "compile": False, "workers": 0, "checkpointing": "none", "accumulation": 1,
+                                    "batch": 8}
+    top = knobs(cfgs["workers"])
+    for c in (c for c in choices if c.startswith("without_")):  # the top with one knob off
+        gone = {k for k, v in knobs(cfgs[c]).items() if v != top[k]}
+        assert gone == added[cfgs[c].ablation.knob] or cfgs[c].ablation.knob == "tf32", c
+    assert {k for k, v in knobs(cfgs["fp16"]).items() if v != knobs(cfgs["tf32"])[k]} == {"precision"}
+    assert cfgs["fp16"].ablation.kind == "alternative" and cfgs["fp16"].ablation.knob == "bf16"
+    assert cfgs["naive_seed"].seed != default_seed and knobs(cfgs["naive_seed"]) == knobs(cfgs["naive"])
+    assert all(cfg.seed == default_seed for c, cfg in cfgs.items() if c != "naive_seed")
+    # memory trade-offs start from the top and are never a rung of the speed ladder
+    trade = [c for c in choices if cfgs[c].ablation.kind == "tradeoff"]
+    assert {cfgs[c].checkpointing.name for c in trade} == {"none", "selective", "full"}
+    assert cfgs["accumulation"].accumulation.steps * cfgs["accumulation"].dataloader.batch_size == 8
+    assert {c for c in trade if cfgs[c].dataloader.batch_size == "auto"} == {
+        "largest_batch", "largest_batch_selective", "largest_batch_full"}
+    assert cfgs["largest_batch"].dataloader.memory_budget_mib == 256  # the CPU needs a budget
     # the jobs (as the sweep composes them) measure: no checkpoint, at the end or on the way,
-    # unless the command line asks
+    # unless the command line asks; the monitor runs, so contention is detected
     with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
-        jobs = [compose("train", overrides=["+sweep=ablation", f"+ablation={c}"]) for c in choices]
         asked = compose("train", overrides=["+sweep=ablation", "+ablation=bf16", "checkpoint.at_end=true"])
         plain = compose("train", overrides=["+ablation=bf16"])  # a run outside the sweep keeps its checkpoint
-    assert all(not job.checkpoint.at_end and job.checkpoint.every_n_steps == 0 for job in jobs)
+    assert all(not job.checkpoint.at_end and job.checkpoint.every_n_steps == 0 for job in cfgs.values())
+    assert all(job.monitor.every_n_steps > 0 for job in cfgs.values())
     assert asked.checkpoint.at_end and plain.checkpoint.at_end

@@ -216,3 +216,17 @@ def test_a_tune_keeps_its_checkpoints_when_asked(capsys: pytest.CaptureFixture[s
                       "checkpoint.at_end=true", "--out", str(out), *TINY_MODEL]) == 0
     assert "save no checkpoints" not in capsys.readouterr().out
     assert len(list((out / "0" / "checkpoints").glob("*.pt"))) == 1
+
+
+def test_no_winner_inside_the_noise_fewer_knobs_win_and_contended_trials_lose() -> None:
+    from perfrun.tune_search import winner
+
+    def trial(c: Candidate, tps: float, contended: bool = False) -> TrialResult:
+        return TrialResult(c, "completed", tokens_per_s=tps, contended=contended)
+
+    plain, compiled = trial(Candidate(8), 1000.0), trial(Candidate(8, compile=True), 1015.0)
+    assert winner([plain, compiled], noise=0.02) is plain  # 1.5 % is inside the 2 % floor
+    faster = trial(Candidate(8, compile=True), 1100.0)
+    assert winner([plain, faster], noise=0.02) is faster  # 10 % is an effect
+    lucky = trial(Candidate(16), 2000.0, contended=True)
+    assert winner([plain, lucky], noise=0.02) is plain

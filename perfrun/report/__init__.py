@@ -6,7 +6,8 @@ report`` both call :func:`load` and the same renderers, so the report of a sweep
 reproduces the table, CSV and JSON the sweep wrote, byte for byte.
 
 - :mod:`~perfrun.report.reading`: directories -> rows (:mod:`~perfrun.report.rows`)
-- :mod:`~perfrun.report.ablation`: each knob against the baseline, and loss parity
+- :mod:`~perfrun.report.noise`: repeats as median and spread; effects outside the noise only
+- :mod:`~perfrun.report.ladder`: the ladder, leave-one-out, trade-offs, calibrated loss parity, the verdict
 - :mod:`~perfrun.report.columns`: each column defined once, for every format
 - :mod:`~perfrun.report.render`: rich, CSV, JSON, HTML and Markdown
 - :mod:`~perfrun.report.plot`: tokens/s against each swept key (matplotlib)
@@ -14,10 +15,18 @@ reproduces the table, CSV and JSON the sweep wrote, byte for byte.
 - :mod:`~perfrun.report.command`: ``perfrun report`` (argparse: it takes paths and flags)
 """
 
-from perfrun.report.ablation import DEFAULT_LOSS_TOL, DEFAULT_LOSS_WINDOW, loss_parity, train_losses
 from perfrun.report.command import main
+from perfrun.report.ladder import DEFAULT_LOSS_WINDOW, ladders, loss_parity, train_losses
 from perfrun.report.plot import PLOT_HINT, plot_or_warn, plot_png
-from perfrun.report.reading import effective_value, job_dirs, load, read_row, swept_keys
+from perfrun.report.reading import (
+    Group,
+    effective_value,
+    group_repeats,
+    job_dirs,
+    load,
+    read_row,
+    swept_keys,
+)
 from perfrun.report.render import (
     print_report,
     render_text,
@@ -31,8 +40,8 @@ from perfrun.report.rows import Report, ReportError, Row, override_key
 from perfrun.report.sweep_summary import SWEEP_CSV, SWEEP_JSON, SWEEP_PNG, write_sweep_summary
 
 __all__ = [
-    "DEFAULT_LOSS_TOL", "DEFAULT_LOSS_WINDOW", "PLOT_HINT", "SWEEP_CSV", "SWEEP_JSON", "SWEEP_PNG",
-    "Report", "ReportError", "Row", "effective_value", "job_dirs", "load", "loss_parity", "main",
+    "DEFAULT_LOSS_WINDOW", "PLOT_HINT", "SWEEP_CSV", "SWEEP_JSON", "SWEEP_PNG", "Group",
+    "Report", "ReportError", "Row", "effective_value", "group_repeats", "job_dirs", "ladders", "load", "loss_parity", "main",
     "override_key", "plot_or_warn", "plot_png", "print_report", "read_row", "render_text", "swept_keys",
     "to_csv", "to_dict", "to_html", "to_json", "to_markdown", "train_losses", "write_sweep_summary",
 ]

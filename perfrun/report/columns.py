@@ -1,4 +1,4 @@
-"""The column specification: each column of the runs table and of the ablation table is
+"""The column specification: each column of the runs, repeats and ladder tables is
 defined once here (its CSV name, its heading, how to get its value, how to format it), and
 every renderer (rich, HTML, Markdown, CSV) walks the same list. A column that is n/a for
 every row is left out of every format alike (:func:`shown`).
@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from perfrun.report.noise import Effect, Spread
 from perfrun.report.rows import Report, Row, finite
 
 NA = "n/a"
@@ -85,7 +86,10 @@ def run_columns(report: Report) -> list[Column]:
         Column("tokens_per_s", "tok/s", lambda r: r.tokens_per_s, ",.0f"),
         Column("mfu", "MFU %", lambda r: r.mfu, ".1f", scale=100),
         Column("peak_mem_mib", "peak MiB", lambda r: r.peak_mem_mib, ",.0f"),
-        Column("data_wait_pct", "data-wait %", lambda r: r.data_wait_pct, ".1f"),
+        Column("host_data_wait_pct", "host data-wait %", lambda r: r.host_data_wait_pct, ".1f"),
+        Column("gpu_starved_pct", "GPU starved %", lambda r: r.gpu_starved_pct, ".1f"),
+        Column("contended", "contended", lambda r: r.contended, text=lambda r: "yes" if r.contended else
+               ("no" if r.contended is False else NA), justify="left"),
         Column("final_train_loss", "train loss", lambda r: r.final_train_loss, ".4f"),
         Column("final_val_loss", "val loss", lambda r: r.final_val_loss, ".4f"),
         Column("first_step_s", "first step s", lambda r: r.first_step_s, ".2f"),
@@ -94,25 +98,69 @@ def run_columns(report: Report) -> list[Column]:
 
 
 def run_mark(r: Row) -> str | None:
-    """How a job's row stands out: the best, or one that did not complete."""
-    return "best" if r.best else ("bad" if r.status != "completed" else None)
+    """How a job's row stands out: the best, or one that did not complete or shared the machine."""
+    return "best" if r.best else ("bad" if r.status != "completed" or r.contended else None)
 
 
-ABLATION_COLUMNS = [
-    Column("knob", "knob", lambda k: k["knob"], justify="left"),
-    Column("status", "status", lambda k: k["status"], justify="left"),
-    Column("tokens_per_s", "tok/s", lambda k: k["tokens_per_s"], ",.0f"),
-    Column("speedup", "speed-up", lambda k: k["speedup"], ".2f", suffix="×"),
-    Column("peak_mem_mib", "peak MiB", lambda k: k["peak_mem_mib"], ",.0f"),
-    Column("mem_ratio", "mem ratio", lambda k: k["mem_ratio"], ".2f", suffix="×"),
-    Column("first_step_s", "first step s", lambda k: k["first_step_s"], ".2f"),
-    Column("loss", "tail loss", lambda k: k["loss"], ".4f"),
-    Column("loss_rel_diff", "Δ loss", lambda k: k["loss_rel_diff"], "+.2%"),
-    Column("loss_max_rel_diff", "max Δ", lambda k: k["loss_max_rel_diff"], ".2%"),
-    Column("parity", "parity", lambda k: k["parity"], justify="left"),
+def _tps_cell(e: dict[str, Any]) -> str:
+    """A rung's tokens/s: the median of its repeats and their spread, or why there is none."""
+    if not e.get("applicable", True):
+        return NA
+    return Spread(e["n"], e["tokens_per_s"], e["tokens_per_s_min"], e["tokens_per_s_max"]).text()
+
+
+def _effect_cell(e: dict[str, Any], key: str) -> str:
+    return Effect(e[key], e[f"{key}_noise_pct"], e[f"{key}_measurable"]).text() if e.get("applicable", True) else NA
+
+
+def _runs_cell(e: dict[str, Any]) -> str:
+    return f"{e['n']}" + (f" (+{e['contended']} contended)" if e["contended"] else "") + \
+        (f" (+{e['failed']} failed)" if e["failed"] else "")
+
+
+def _rung_columns(first: str, against: str) -> list[Column]:
+    return [
+        Column("rung", first, lambda e: e["rung"], justify="left"),
+        Column("runs", "runs", lambda e: e["n"], text=_runs_cell),
+        Column("tokens_per_s", "tok/s (median ±½ range)", lambda e: e["tokens_per_s"], text=_tps_cell),
+        Column("vs_below", against, lambda e: e["vs_below"], text=lambda e: _effect_cell(e, "vs_below")),
+        Column("vs_baseline", "vs naive", lambda e: e["vs_baseline"], text=lambda e: _effect_cell(e, "vs_baseline")),
+        Column("peak_mem_mib", "peak MiB", lambda e: e["peak_mem_mib"], ",.0f"),
+        Column("first_step_s", "first step s", lambda e: e["first_step_s"], ".2f"),
+        Column("loss_rel_diff", "Δ loss", lambda e: e["loss_rel_diff"], "+.2%"),
+        Column("parity", "parity", lambda e: e.get("parity"), justify="left"),
+        Column("verdict", "verdict", lambda e: e["verdict"], justify="left"),
+    ]
+
+
+LADDER_COLUMNS = _rung_columns("rung", "vs rung below")
+ALTERNATIVE_COLUMNS = _rung_columns("alternative", "vs rung below")
+LEAVE_ONE_OUT_COLUMNS = _rung_columns("top without", "vs top")
+TRADEOFF_COLUMNS = [
+    Column("setting", "setting", lambda t: t["setting"], justify="left"),
+    Column("peak_mem_mib", "peak MiB", lambda t: t.get("peak_mem_mib"), ",.0f"),
+    Column("tokens_per_s", "tok/s", lambda t: t.get("tokens_per_s"),
+           text=lambda t: Spread(t.get("n") or 0, t.get("tokens_per_s"), None, None).text() if t.get("n", 0) < 2 else
+           f"{t['tokens_per_s']:,.0f} ±{t['spread_pct']:.1f}%"),
+    Column("largest_batch", "largest batch", lambda t: t.get("largest_batch"), ",.0f"),
+    Column("tokens_per_s_at_largest", "tok/s at it", lambda t: t.get("tokens_per_s_at_largest"), ",.0f"),
+]
+GROUP_COLUMNS = [
+    Column("best", "", lambda g: g.best, text=lambda g: "★" if g.best else "", justify="left"),
+    Column("jobs", "jobs", lambda g: ",".join(g.jobs), justify="left"),
+    Column("overrides", "overrides", lambda g: " ".join(g.overrides) or "(defaults)", justify="left"),
+    Column("runs", "runs", lambda g: g.tps.n,
+           text=lambda g: f"{g.tps.n}" + (f" (+{g.contended} contended)" if g.contended else "")),
+    Column("tokens_per_s", "tok/s (median ±½ range)", lambda g: g.tps.median, text=lambda g: g.tps.text()),
+    Column("verdict", "vs best", lambda g: g.verdict or None, justify="left"),
 ]
 
 
-def ablation_mark(k: dict[str, Any]) -> str | None:
-    """A knob over the loss tolerance is flagged; one that did not complete is marked bad."""
-    return "flagged" if k["parity"] == "EXCEEDED" else ("bad" if k["status"] != "completed" else None)
+def rung_mark(e: dict[str, Any]) -> str | None:
+    """A rung over the loss tolerance is flagged; one not measured is marked bad."""
+    return "flagged" if e.get("parity") == "FLAGGED" else ("bad" if e.get("n") == 0 and e.get("applicable", True)
+                                                           else None)
+
+
+def group_mark(g: Any) -> str | None:
+    return "best" if g.best else None

@@ -4,13 +4,12 @@ paths and flags, so argparse (not Hydra: there is no configuration to compose)."
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
 
 from perfrun.atomic import atomic_write
 from perfrun.console import error
-from perfrun.report.ablation import DEFAULT_LOSS_TOL, DEFAULT_LOSS_WINDOW
+from perfrun.report.ladder import DEFAULT_LOSS_WINDOW
 from perfrun.report.plot import plot_or_warn
 from perfrun.report.reading import load
 from perfrun.report.render import print_report, to_csv, to_html, to_json, to_markdown
@@ -41,10 +40,8 @@ def _parser() -> argparse.ArgumentParser:
                      help="print Markdown tables (machine named) to stdout, e.g. for a README")
     p.add_argument("--html", metavar="FILE", help="also write a static HTML page (table and embedded plot)")
     p.add_argument("--plot", metavar="FILE", help="also write the PNG plot of tokens/s against each swept key")
-    p.add_argument("--loss-tol", type=float, default=DEFAULT_LOSS_TOL,
-                   help=f"ablation loss parity: relative tolerance (default {DEFAULT_LOSS_TOL})")
     p.add_argument("--loss-window", type=float, default=DEFAULT_LOSS_WINDOW,
-                   help=f"ablation loss parity: tail fraction of the logged steps averaged (default {DEFAULT_LOSS_WINDOW})")
+                   help=f"ladder loss parity: tail fraction of the logged steps averaged (default {DEFAULT_LOSS_WINDOW})")
     return p
 
 
@@ -52,11 +49,9 @@ def main(argv: list[str]) -> int:
     """``perfrun report``: 0 on success, 2 on a bad path or option (one line, no traceback)."""
     try:
         args = _parser().parse_intermixed_args(argv)
-        if not (args.loss_tol >= 0 and math.isfinite(args.loss_tol)):
-            raise ReportError(f"--loss-tol {args.loss_tol} must be a number >= 0, e.g. 0.02 for 2%")
         if not 0 < args.loss_window <= 1:
             raise ReportError(f"--loss-window {args.loss_window} must be in (0, 1], e.g. 0.2 for the last 20%")
-        report = load(args.paths, loss_tol=args.loss_tol, loss_window=args.loss_window)
+        report = load(args.paths, loss_window=args.loss_window)
         png = None
         if args.plot or args.html:
             png = plot_or_warn(report)

@@ -32,9 +32,12 @@ def _sort_values(values: Iterable[str | None]) -> list[str | None]:
 
 
 def plot_png(report: Report) -> bytes | None:
-    """PNG of tokens/s against each swept key (one panel per key); None without matplotlib."""
+    """PNG of tokens/s against each swept key (one panel per key), or of the ladder where the
+    jobs are one (:mod:`perfrun.report.ladder_plot`); None without matplotlib."""
+    from perfrun.report.ladder_plot import ladder_png
+
     try:
-        return _draw(report)
+        return ladder_png(report, report.ablations[0]) if report.ablations else _draw(report)
     except ImportError:
         return None
 

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from perfrun.report.ablation import DEFAULT_LOSS_TOL, DEFAULT_LOSS_WINDOW, ablations
+from perfrun.report.ladder import DEFAULT_LOSS_WINDOW, ladders
+from perfrun.report.noise import Spread, clear_winner, effect, spread
 from perfrun.report.rows import Report, ReportError, Row, finite, override_key
 from perfrun.summary import SUMMARY_FILE, read_summary
 
@@ -53,7 +55,7 @@ def _read_overrides(job: Path) -> list[str]:
 
 def read_row(job: Path, label: str, root_label: str) -> Row:
     """One row from ``job/summary.json``; a missing or unreadable file becomes a row that says so."""
-    empty = dict(tokens_per_s=None, mfu=None, peak_mem_mib=None, data_wait_pct=None,
+    empty = dict(tokens_per_s=None, mfu=None, peak_mem_mib=None, host_data_wait_pct=None,
                  final_train_loss=None, final_val_loss=None, first_step_s=None)
     if not (job / SUMMARY_FILE).is_file():
         return Row(label, root_label, _read_overrides(job), "missing",
@@ -67,16 +69,31 @@ def read_row(job: Path, label: str, root_label: str) -> Row:
     if status not in ("completed", "failed") and reason is None:
         reason = "the job stopped without finishing (interrupted or crashed; see its train.log)"
     env = s.get("environment") or {}
+    config = s.get("config") if isinstance(s.get("config"), dict) else {}
+    contention = s.get("contention") if isinstance(s.get("contention"), dict) else {}
     return Row(
         job=label, root=root_label, overrides=[str(o) for o in s.get("overrides") or _read_overrides(job)],
         status=status, reason=reason,
         tokens_per_s=s.get("tokens_per_s_median"), mfu=s.get("mfu_median"), peak_mem_mib=s.get("peak_mem_mib"),
-        data_wait_pct=s.get("data_wait_pct"), final_train_loss=s.get("final_train_loss"),
+        host_data_wait_pct=s.get("host_data_wait_pct", s.get("data_wait_pct")),
+        final_train_loss=s.get("final_train_loss"),
         final_val_loss=s.get("final_val_loss"), first_step_s=s.get("first_step_s"),
         peak_mem_source=s.get("peak_mem_source"), device_name=env.get("device_name"),
         software=(f"torch {env['torch']}" + (f", CUDA {env['cuda']}" if env.get("cuda") else "")) if env.get("torch") else None,
-        knobs=s.get("knobs") or {},
+        knobs=s.get("knobs") or {}, repeat=_int(config.get("repeat")), ablation=dict(config.get("ablation") or {}),
+        contended=contention.get("contended"), contention=list(contention.get("evidence") or []),
+        device_type=env.get("device_type") or _device_type(env), gpu_starved_pct=s.get("gpu_starved_pct"),
     )
+
+
+def _int(v: Any) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def _device_type(env: dict[str, Any]) -> str | None:
+    """cuda or cpu from the environment block (the device it ran on, as torch names it)."""
+    device = str(env.get("device") or "")
+    return device.split(":")[0] or None
 
 
 def _spelt(value: Any) -> str:
@@ -169,20 +186,62 @@ def _rows_of(given: Path | str, several: bool, dirs: dict[str, Path]) -> list[Ro
     return rows
 
 
-def load(
-    paths: Sequence[Path | str], *, loss_tol: float = DEFAULT_LOSS_TOL, loss_window: float = DEFAULT_LOSS_WINDOW
-) -> Report:
-    """Rows of every job under ``paths``, with the swept keys, the best row and any ablation."""
+@dataclass
+class Group:
+    """The repeats of one configuration: jobs whose overrides differ only in ``repeat``."""
+
+    overrides: list[str]
+    jobs: list[str]
+    tps: Spread  # over the completed jobs that had the machine to themselves
+    contended: int
+    best: bool = False
+    verdict: str = ""  # against the best group: an effect, or no measurable one
+
+
+def group_repeats(rows: Sequence[Row]) -> list[Group]:
+    """Rows grouped by their overrides less ``repeat=...``, in order of first appearance."""
+    by: dict[tuple[str, str, tuple[str, ...]], list[Row]] = {}
+    for r in rows:
+        key = tuple(o for o in r.overrides if override_key(o)[0] != "repeat")
+        by.setdefault((r.root, r.device_name or "", key), []).append(r)
+    return [Group(list(k[2]), [r.job for r in members],
+                  spread(r.tokens_per_s for r in members if r.status == "completed" and not r.contended),
+                  sum(1 for r in members if r.contended)) for k, members in by.items()]
+
+
+def _rank(rows: list[Row], groups: list[Group]) -> str | None:
+    """Each group against the fastest median; the best group (and its fastest job) is marked
+    only where it beats every other outside the noise; contended jobs never count. Returns
+    the best job's label."""
+    measured = [g for g in groups if g.tps.median is not None]
+    if not measured:
+        return None
+    fastest = max(measured, key=lambda g: g.tps.median)  # type: ignore[arg-type,return-value]
+    winner = clear_winner({str(i): g.tps for i, g in enumerate(groups)})
+    for g in measured:
+        g.verdict = ("best" if winner is not None else "fastest median, inside the others' noise") if g is fastest \
+            else effect(g.tps, fastest.tps).text()
+    if winner is None:
+        return None
+    fastest.best = True
+    members = [r for r in rows if r.job in fastest.jobs and r.status == "completed" and not r.contended
+               and finite(r.tokens_per_s)]
+    top = max(members, key=lambda r: r.tokens_per_s)  # type: ignore[arg-type,return-value]
+    top.best = True
+    return top.job
+
+
+def load(paths: Sequence[Path | str], *, loss_window: float = DEFAULT_LOSS_WINDOW) -> Report:
+    """Rows of every job under ``paths``, with the swept keys, the repeats grouped, the best
+    (outside the noise) and any ladder."""
     dirs: dict[str, Path] = {}
     rows = [row for given in paths for row in _rows_of(given, len(paths) > 1, dirs)]
     keys = swept_keys(rows)
     if len(paths) > 1 and len({r.root for r in rows}) > 1:
         keys = ["source", *keys]
-    keys = _fill_swept(rows, keys, dirs)
-    done = [r for r in rows if r.status == "completed" and finite(r.tokens_per_s)]
-    best = max(done, key=lambda r: r.tokens_per_s) if done else None  # type: ignore[arg-type,return-value]
-    if best is not None:
-        best.best = True
-    report = Report(rows, keys, best.job if best else None, paths=dirs)
-    report.ablations = ablations(report, loss_tol=loss_tol, loss_window=loss_window)
+    keys = [k for k in _fill_swept(rows, keys, dirs) if k != "repeat"]
+    groups = group_repeats(rows)
+    report = Report(rows, keys, _rank(rows, groups), paths=dirs)
+    report.groups = groups
+    report.ablations = ladders(report, loss_window=loss_window)
     return report

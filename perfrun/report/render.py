@@ -10,8 +10,9 @@ import csv
 import html
 import io
 import json
+import os
 from collections.abc import Callable, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from rich.console import Console
@@ -21,11 +22,16 @@ from rich.text import Text  # cells from files are shown as written, never read 
 from perfrun.atomic import json_safe
 from perfrun.console import wide_console
 from perfrun.report.columns import (
-    ABLATION_COLUMNS,
+    ALTERNATIVE_COLUMNS,
+    GROUP_COLUMNS,
+    LADDER_COLUMNS,
+    LEAVE_ONE_OUT_COLUMNS,
+    TRADEOFF_COLUMNS,
     Column,
-    ablation_mark,
+    group_mark,
     run_columns,
     run_mark,
+    rung_mark,
     shown,
 )
 from perfrun.report.plot import PLOT_HINT
@@ -34,7 +40,9 @@ from perfrun.report.rows import Report, Row
 Mark = Callable[[Any], "str | None"]
 RICH_STYLES = {"best": "bold green", "bad": "red", "flagged": "bold red"}
 HTML_CLASSES = {"best": "best", "bad": "bad", "flagged": "bad"}
-BEST_CAPTION = "★ best tokens/s (median of steady steps)"
+BEST_CAPTION = "★ best tokens/s (median of steady steps), where it beats the rest outside their spread"
+REPEATS_CAPTION = ("median and ±half the min-max range of each configuration's repeats (contended jobs left out); "
+                   "an effect whose ranges overlap the best's is no measurable effect")
 
 
 # ------------------------------------------------------------------------------- one table, each medium
@@ -96,60 +104,104 @@ def to_csv(report: Report) -> str:
 
 
 def to_dict(report: Report) -> dict[str, Any]:
-    return {
+    """The machine-readable report: rows, repeats grouped, and each ladder's parts (``ladder``,
+    ``leave_one_out``, ``tradeoffs``, ``recommended`` and the rest)."""
+    out: dict[str, Any] = {
         "swept_keys": report.swept_keys,
         "best": report.best,
         "rows": [asdict(r) for r in report.rows],
+        "repeats": [asdict(g) for g in report.groups if len(g.jobs) > 1],
         "ablation": report.ablations,
     }
+    if len(report.ablations) == 1:  # one ladder: its parts at the top level too
+        out.update({k: report.ablations[0][k] for k in ("ladder", "leave_one_out", "tradeoffs", "recommended")})
+    return out
 
 
 def to_json(report: Report) -> str:
     return json.dumps(json_safe(to_dict(report)), indent=2, default=str) + "\n"
 
 
-def ablation_method(a: dict[str, Any]) -> str:
-    return (
-        f"loss parity: relative difference of the mean train loss over the last {a['loss_window']:.0%} of the "
-        f"logged steps against the baseline (fp32) at the same steps; tolerance ±{a['loss_tol']:.1%}, "
-        "EXCEEDED where over it"
-    )
+@dataclass
+class Section:
+    """One table of the report, the same in every medium."""
+
+    title: str
+    columns: Sequence[Column]
+    rows: Sequence[Any]
+    mark: Mark
+    caption: str
 
 
-def shown_ablations(report: Report) -> list[dict[str, Any]]:
-    """The ablations that have a table: knobs and a baseline job."""
-    return [a for a in report.ablations if a["knobs"] and a["baseline"]]
+def _where(a: dict[str, Any]) -> str:
+    return (f" on {a['device_name']}" if a.get("device_name") else "") + (f" ({a['root']})" if a["root"] else "")
 
 
-def table(report: Report) -> Table:
-    """The rich table: one row per job, the best marked with a star."""
+def sections(report: Report) -> list[Section]:
+    """The runs table, the repeats table where jobs were repeated, and each ladder's tables."""
     mem_sources = sorted({r.peak_mem_source for r in report.rows if r.peak_mem_source})
-    return rich_table(run_columns(report), report.rows, run_mark, title="perfrun: runs",
-                      caption=BEST_CAPTION + (f" · peak memory: {', '.join(mem_sources)}" if mem_sources else ""))
+    out = [Section("perfrun: runs", run_columns(report), report.rows, run_mark,
+                   BEST_CAPTION + (f" · peak memory: {', '.join(mem_sources)}" if mem_sources else ""))]
+    repeated = [g for g in report.groups if len(g.jobs) > 1]
+    if repeated and not report.ablations:  # a ladder's tables group its repeats themselves
+        out.append(Section("repeats of the same overrides", GROUP_COLUMNS, report.groups, group_mark, REPEATS_CAPTION))
+    for a in report.ablations:
+        where = _where(a)
+        caption = a["loss_rule"] + (f" · peak memory: {a['peak_mem_source']}" if a.get("peak_mem_source") else "")
+        out.append(Section(f"ladder{where}: each rung adds one knob to the rung below", LADDER_COLUMNS, a["ladder"],
+                           rung_mark, caption))
+        if a["alternatives"]:
+            out.append(Section(f"alternatives{where}: in place of a rung", ALTERNATIVE_COLUMNS, a["alternatives"],
+                               rung_mark, caption))
+        if a["leave_one_out"]:
+            out.append(Section(f"leave-one-out{where}: the top rung ({a['top']}) without each knob",
+                               LEAVE_ONE_OUT_COLUMNS, a["leave_one_out"], rung_mark, caption))
+        if a["tradeoffs"]:
+            out.append(Section(f"memory trade-offs{where}: the top rung with each setting, apart from speed",
+                               TRADEOFF_COLUMNS, a["tradeoffs"], lambda t: None,
+                               "largest batch: dataloader.batch_size=auto (on a CPU within its tensor budget)"))
+    return out
 
 
-def ablation_table(a: dict[str, Any]) -> Table:
-    """Per knob: speed-up, memory ratio, time to first step and loss parity against the baseline."""
-    where = f" on {a['device_name']}" if a.get("device_name") else ""
-    return rich_table(
-        ABLATION_COLUMNS, a["knobs"], ablation_mark,
-        title=f"ablation{where}: each knob against the baseline" + (f" ({a['root']})" if a["root"] else ""),
-        caption=ablation_method(a) + (f" · peak memory: {a['peak_mem_source']}" if a.get("peak_mem_source") else ""),
-    )
+def header(report: Report) -> list[str]:
+    """What the report is of: the machine, the software, when, the command and the folder."""
+    import datetime
+
+    rows = report.rows
+    env = {k: v for r in rows for k, v in (("machine", r.device_name), ("software", r.software)) if v}
+    stamps = [p.joinpath("summary.json").stat().st_mtime for p in report.paths.values() if (p / "summary.json").is_file()]
+    when = datetime.datetime.fromtimestamp(max(stamps), tz=datetime.UTC).strftime("%Y-%m-%d %H:%M UTC") if stamps else None
+    common = common_overrides(report)
+    swept = []
+    for k in (k for k in report.swept_keys if k != "source"):
+        plus = "+" if any(o.startswith(f"+{k}=") for r in rows for o in r.overrides) else ""
+        swept.append(f"{plus}{k}=" + ",".join(dict.fromkeys(str(r.swept.get(k)) for r in rows)))
+    folders = os.path.commonpath([str(p) for p in report.paths.values()]) if report.paths else "?"
+    lines = [f"machine: {env.get('machine', 'not recorded')} ({env.get('software', 'versions not recorded')})"]
+    lines += [f"finished: {when}"] if when else []
+    lines += [f"command: perfrun train {'-m ' if len(rows) > 1 else ''}{' '.join([*common, *swept])}".rstrip()]
+    lines += [f"from: {folders}"]
+    return lines
 
 
 def notes(report: Report) -> list[str]:
-    """Lines printed under the table: why jobs failed, ablation notes."""
+    """Lines printed under the tables: why jobs failed, which shared the machine, ladder notes
+    and each ladder's verdict, the line to paste."""
     lines = [f"{r.job}: {r.status}: {r.reason}" for r in report.rows if r.status != "completed" and r.reason]
+    lines += [f"{r.job}: contended, never ranked: {'; '.join(r.contention)}" for r in report.rows
+              if r.contended and not r.ablation.get("rung")]
     for a in report.ablations:
         where = f" ({a['root']})" if a["root"] else ""
-        lines += [f"ablation{where}: {n}" for n in a["notes"]]
+        lines += [f"ladder{where}: {n}" for n in a["notes"]]
+        lines.append(a["verdict"])
     return lines
 
 
 def print_report(report: Report, console: Console | None = None) -> None:
-    tables = [table(report)] + [ablation_table(a) for a in shown_ablations(report)]
+    tables = [rich_table(s.columns, s.rows, s.mark, title=s.title, caption=s.caption) for s in sections(report)]
     console = console or wide_console(tables)
+    for line in header(report):
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
     for t in tables:
         console.print(t)
     for line in notes(report):
@@ -168,18 +220,18 @@ HTML_HEAD = (
     "body{font-family:system-ui,sans-serif;margin:2em}table{border-collapse:collapse;margin:1em 0}"
     "td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}.l{text-align:left}"
     "tr.best{background:#e6ffe6;font-weight:bold}tr.bad{color:#b00}caption{caption-side:bottom;text-align:left;"
-    "color:#555;font-size:90%}\n"
+    "color:#555;font-size:90%}.head{color:#333;font-family:monospace}img{max-width:100%}\n"
     "</style></head><body><h1>perfrun report</h1>"
 )
 
 
 def to_html(report: Report, png: bytes | None) -> str:
-    """A static page: the table, the ablation table and the plot, with nothing to fetch."""
-    parts = [HTML_HEAD, html_table(run_columns(report), report.rows, run_mark, BEST_CAPTION)]
-    for a in shown_ablations(report):
-        where = f" on {a['device_name']}" if a.get("device_name") else ""
-        parts += [f"<h2>Ablation{html.escape(where)}</h2>",
-                  html_table(ABLATION_COLUMNS, a["knobs"], ablation_mark, ablation_method(a))]
+    """A static page: the tables and the plot, with nothing to fetch."""
+    parts = [HTML_HEAD, "<p class='head'>" + "<br>".join(html.escape(h) for h in header(report)) + "</p>"]
+    for i, sec in enumerate(sections(report)):
+        if i:
+            parts.append(f"<h2>{html.escape(sec.title)}</h2>")
+        parts.append(html_table(sec.columns, sec.rows, sec.mark, sec.caption))
     extra = notes(report)
     if extra:
         parts.append("<ul>" + "".join(f"<li>{html.escape(n)}</li>" for n in extra) + "</ul>")
@@ -208,17 +260,14 @@ def machine(rows: Sequence[Row]) -> str:
 
 
 def to_markdown(report: Report) -> str:
-    """GitHub Markdown: the runs table, then each ablation with its machine and method named."""
-    out = [f"Runs on {machine(report.rows)}."]
+    """GitHub Markdown: the runs table, then the other tables with their machine and method named."""
+    out = [f"Runs on {machine(report.rows)}.", "", *(f"- {h}" for h in header(report)), ""]
     common = common_overrides(report)
     if common and report.swept_keys:
         out.append(f"Every job: `{' '.join(common)}`.")
-    out += ["", *markdown_table(run_columns(report), report.rows), "", BEST_CAPTION + "."]
-    for a in shown_ablations(report):
-        where = (a.get("device_name") or "an unrecorded machine") + (f" ({a['software']})" if a.get("software") else "")
-        out += ["", f"Ablation on {where}" + (f" ({a['root']})" if a["root"] else "") + ":", "",
-                *markdown_table(ABLATION_COLUMNS, a["knobs"]), "",
-                ablation_method(a) + (f"; peak memory: {a['peak_mem_source']}" if a.get("peak_mem_source") else "") + "."]
+    for i, sec in enumerate(sections(report)):
+        out += ["", *( [f"{sec.title[0].upper()}{sec.title[1:]}:", ""] if i else []),
+                *markdown_table(sec.columns, sec.rows), "", sec.caption + "."]
     notes_ = notes(report)
     if notes_:
         out += [""] + [f"- {n}" for n in notes_]

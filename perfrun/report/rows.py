@@ -25,7 +25,7 @@ class Row:
     tokens_per_s: float | None  # median over the steady steps
     mfu: float | None  # fraction of the peak
     peak_mem_mib: float | None
-    data_wait_pct: float | None
+    host_data_wait_pct: float | None  # the host's wait for the DataLoader (old runs: data_wait_pct)
     final_train_loss: float | None
     final_val_loss: float | None
     first_step_s: float | None
@@ -35,6 +35,12 @@ class Row:
     knobs: dict[str, Any] = field(default_factory=dict)
     swept: dict[str, str | None] = field(default_factory=dict)  # the swept keys' values
     best: bool = False
+    repeat: int | None = None  # which repeat of its overrides (the ``repeat`` key)
+    ablation: dict[str, Any] = field(default_factory=dict)  # the job's place in the ladder (config ablation)
+    contended: bool | None = None  # did another process share the machine (summary contention)
+    contention: list[str] = field(default_factory=list)  # the evidence
+    device_type: str | None = None  # cuda | cpu | ...
+    gpu_starved_pct: float | None = None  # CUDA: % of the step the GPU waited for its batch
 
 
 @dataclass
@@ -45,6 +51,7 @@ class Report:
     swept_keys: list[str]
     best: str | None  # job label of the highest tokens/s
     ablations: list[dict[str, Any]] = field(default_factory=list)
+    groups: list[Any] = field(default_factory=list)  # repeats of the same overrides (reading.Group)
     paths: dict[str, Path] = field(default_factory=dict)  # job label -> job dir (not serialised)
 
 

@@ -114,6 +114,10 @@ class HostSampler:
             self._workers.update(found)
             self._not_workers &= alive
 
+    def worker_pids(self) -> list[int]:
+        with self._lock:
+            return list(self._workers)
+
     def snapshot(self) -> HostSnapshot:
         """Current counters: machine CPU times, this process's, and each known worker's."""
         with self._lock:

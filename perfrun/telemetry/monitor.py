@@ -79,7 +79,9 @@ class Monitor:
         self._host_prev = self.host.snapshot()  # host counters at the previous collect
         self._host_latest = self._host_prev  # the sampler thread's latest reading
         self._host_carry: HostInterval | None = None
-        self._host_weighted: dict[str, list[float]] = {"host_cpu_pct": [0.0, 0.0], "workers_cpu_pct": [0.0, 0.0]}
+        self._host_weighted: dict[str, list[float]] = {k: [0.0, 0.0] for k in ("host_cpu_pct", "proc_cpu_pct",
+                                                                                 "workers_cpu_pct")}
+        self._gpu_others: int | None = None  # the most other processes seen on the GPU
         self._workers_max = 0
 
         self._energy_start_mj = self._energy_mj()
@@ -134,6 +136,10 @@ class Monitor:
     def _slow_reads(self) -> None:
         """The blocking reads, kept off the training thread (see SLOW_READ_PERIOD_S)."""
         self.host.scan_children()
+        if self.nvml is not None and self.gpu is not None:
+            others = self.nvml.other_processes(self.gpu.handle, {self.host.proc.pid, *self.host.worker_pids()})
+            if others is not None:
+                self._gpu_others = max(others, self._gpu_others or 0)
         mj = self._energy_mj()
         if mj is not None:
             self._energy_latest_mj = mj
@@ -227,7 +233,8 @@ class Monitor:
         out["workers"] = hi.workers
         out["workers_cpu_pct_mean"] = rounded(hi.workers_cpu_pct)
 
-        for key, value in (("host_cpu_pct", hi.host_cpu_pct), ("workers_cpu_pct", hi.workers_cpu_pct)):
+        for key, value in (("host_cpu_pct", hi.host_cpu_pct), ("proc_cpu_pct", hi.proc_cpu_pct),
+                           ("workers_cpu_pct", hi.workers_cpu_pct)):
             if value is not None and dt > 0:
                 self._host_weighted[key][0] += value * dt
                 self._host_weighted[key][1] += dt
@@ -335,7 +342,9 @@ class Monitor:
                 "throttle_slow_step_rule": (
                     f"interval step time > {SLOW_STEP_FACTOR:.2f} x median while a slowdown reason was reported"
                 ),
-                "host_cpu_pct_mean": rounded(hw["host_cpu_pct"][0] / hw["host_cpu_pct"][1]) if hw["host_cpu_pct"][1] else None,
+                **{f"{k}_mean": rounded(hw[k][0] / hw[k][1]) if hw[k][1] else None for k in ("host_cpu_pct", "proc_cpu_pct")},
+                "gpu_other_processes_max": self._gpu_others,
+                "interval_step_times_s": [rounded_sig(r.step_time_s) for r in self._records if r.step_time_s],
                 "rss_mib_max": rounded(run.agg("rss_mib").max),
                 "workers_max": self._workers_max,
                 "workers_cpu_pct_mean": (

@@ -313,6 +313,11 @@ class Nvml:
     def throttle_reasons(self, handle: Any) -> list[str] | None:
         return decode_reasons(self.throttle_mask(handle), self.module)
 
+    def other_processes(self, handle: Any, pids: set[int]) -> int | None:
+        """Processes computing on the GPU that are not ``pids`` (this job's): contention."""
+        procs = self.call("gpu_processes", "nvmlDeviceGetComputeRunningProcesses", handle)
+        return None if procs is None else sum(1 for p in procs if int(p.pid) not in pids)
+
     def memory_mib(self, handle: Any) -> tuple[float | None, float | None]:
         """(used, total) MiB."""
         info = self.call("gpu_mem", "nvmlDeviceGetMemoryInfo", handle)
