@@ -49,8 +49,6 @@ _MODULES = {"gpu-check": "perfrun.gpucheck", "report": "perfrun.report", "tune":
 HYDRA_COMMANDS = ("tune", "generate", "export", "prepare")
 _FAILED_JOBS: list[str] = []
 PARALLEL = ("ddp", "fsdp")  # the distributed= values that run one process per GPU
-# conf/ groups that ``perfrun train --help`` does not offer: +sweep=ablation picks their options
-INTERNAL_GROUPS = ("ablation", "hydra")
 COMPLETION_FLAGS = ("-sc", "--shell-completion")
 
 log = logging.getLogger("perfrun")
@@ -76,25 +74,6 @@ def _usage() -> str:
         "shell completion:  eval \"$(perfrun train -sc install=bash)\"",
     ]
     return "\n".join(lines)
-
-
-def group_listing() -> str:
-    """The ``group: option, ...`` lines of ``perfrun train --help`` (Hydra's own format),
-    read from conf/ without the internal groups."""
-    root = Path(config_dir())
-    lines = []
-    for group in sorted(p for p in root.iterdir() if p.is_dir() and p.name not in INTERNAL_GROUPS):
-        options = sorted(f.stem for f in group.glob("*.yaml"))
-        if options:
-            lines.append(f"{group.name}: {', '.join(options)}")
-    return "\n".join(lines)
-
-
-def _register_help() -> None:
-    """conf/train.yaml's help template lists the groups through ``${perfrun_groups:}``."""
-    from omegaconf import OmegaConf
-
-    OmegaConf.register_new_resolver("perfrun_groups", group_listing, replace=True)
 
 
 def _preflight(args: list[str]) -> tuple[str | None, Any]:
@@ -287,7 +266,6 @@ def _run_app(args: list[str]) -> int:
     from perfrun.train import RunFailed, run
 
     register_configs()
-    _register_help()
 
     @hydra.main(version_base="1.3", config_path=config_dir(), config_name="train")
     def app(cfg: DictConfig) -> None:
@@ -346,7 +324,6 @@ def _shell_completion(args: list[str]) -> int:
     from perfrun.config import register_configs
 
     register_configs()
-    _register_help()
 
     @hydra.main(version_base="1.3", config_path=config_dir(), config_name="train")
     def complete(cfg: Any) -> None:

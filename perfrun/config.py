@@ -233,6 +233,23 @@ def register_configs() -> None:
 
     ConfigStore.instance().store(name="train_schema", node=TrainConfig)
     OmegaConf.register_new_resolver("perfrun.if_cuda", if_cuda, replace=True)
+    OmegaConf.register_new_resolver("perfrun_groups", group_listing, replace=True)  # the help's group list
+
+
+# conf/ groups that ``perfrun train --help`` does not offer: +sweep=ablation picks their options
+INTERNAL_GROUPS = ("ablation", "hydra")
+
+
+def group_listing() -> str:
+    """The ``group: option, ...`` lines of ``perfrun train --help`` (Hydra's own format),
+    read from conf/ without the internal groups."""
+    root = Path(config_dir())
+    lines = []
+    for group in sorted(p for p in root.iterdir() if p.is_dir() and p.name not in INTERNAL_GROUPS):
+        options = sorted(f.stem for f in group.glob("*.yaml"))
+        if options:
+            lines.append(f"{group.name}: {', '.join(options)}")
+    return "\n".join(lines)
 
 
 def if_cuda(device: str, on_cuda: Any, otherwise: Any) -> Any:
