@@ -15,6 +15,8 @@ from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
+from perfrun.losses import LOSSES, LossConfig
+
 
 class ConfigError(ValueError):
     """A user's configuration mistake: reported as one line, never as a traceback."""
@@ -24,9 +26,10 @@ class ConfigError(ValueError):
 class PrecisionConfig:
     """Autocast dtype. ``none`` trains in fp32; ``tf32`` lets fp32 matmuls use TF32 on CUDA."""
 
-    name: str = "none"
+    name: str = "none"  # none | bf16 | fp16 | fp8
     dtype: str = "float32"  # float32 | bfloat16 | float16
     tf32: bool = False
+    recipe: str = "tensorwise"  # fp8: tensorwise | rowwise scales (perfrun/knobs/fp8.py)
 
 
 @dataclass
@@ -95,7 +98,8 @@ class OptimConfig:
 
 @dataclass
 class CompileOptions:
-    mode: str = "default"  # default | reduce-overhead | max-autotune
+    # default | max-autotune-no-cudagraphs | reduce-overhead | max-autotune (the last two: CUDA graphs)
+    mode: str = "default"
     scope: str = "model"  # model | blocks: the whole module, or each block's forward (perfrun/knobs/compilation.py)
     fullgraph: bool = False
     dynamic: bool | None = False
@@ -171,6 +175,7 @@ class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
     compile: bool = False
     compile_options: CompileOptions = field(default_factory=CompileOptions)
     cudnn_benchmark: bool = False
@@ -222,7 +227,9 @@ CHOICES = {
     "data.name": ("pysource", "text", "memmap", "synthetic"),
     "optim.name": ("adamw",),
     "optim.fused": ("auto", "true", "false"),
-    "compile_options.mode": ("default", "reduce-overhead", "max-autotune"),
+    "compile_options.mode": ("default", "max-autotune-no-cudagraphs", "reduce-overhead", "max-autotune"),
+    "loss.name": LOSSES,
+    "precision.recipe": ("tensorwise", "rowwise"),
     "compile_options.scope": ("model", "blocks"),
     "attention": ("sdpa", "eager"),
     "sdpa_backend": ("auto", "flash", "efficient", "cudnn", "math"),
@@ -301,6 +308,7 @@ def validate(cfg: Any) -> None:
     _check_batch_size(cfg.dataloader)
     at_least("dataloader.num_workers", 0)
     at_least("accumulation.steps", 1)
+    at_least("loss.chunk_size", 1, " (tokens per chunk of loss=chunked)")
     at_least("max_steps", 1, " (the number of optimizer steps to train)")
     at_least("log_every", 1)
     at_least("eval_every", 0)

@@ -29,7 +29,7 @@ from perfrun.data import build_datasets, build_loader
 from perfrun.environment import device_name, environment, global_state, rank_info
 from perfrun.evaluator import Evaluator
 from perfrun.guards import Diverged, GracefulStop, Interrupted, NonFiniteGuard
-from perfrun.knobs import Plan, apply_knobs
+from perfrun.knobs import Plan, apply_knobs, fp8
 from perfrun.model import GPT, GPTConfig, padded_vocab
 from perfrun.optim import build_optimizer, build_scheduler
 from perfrun.pretrained import init_from
@@ -66,6 +66,7 @@ def setup(cfg: Any, stack: ExitStack) -> Setup:
     """Everything before the first step: validated config, data, model, knobs, optimizer."""
     validate(cfg)
     device = distributed.setup_device(cfg.device, cfg.distributed, stack)
+    fp8.check(cfg, device)  # refused before any data or model is built
     rank, world = distributed.rank(), distributed.world_size()
     snapshot = start_memory_history(cfg, device, stack)
     distributed.seed_everything(cfg.seed)
