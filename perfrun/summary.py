@@ -69,6 +69,7 @@ class RunSummary(TypedDict, total=False):
     peak_mem_mib: float
     peak_mem_source: str
     data_wait_pct: float | None
+    gpu_starved_pct: float | None  # CUDA, host data: the device's wait for batch copies
     compile_s_estimate: float | None
     final_train_loss: float | None
     final_val_loss: float | None

@@ -136,9 +136,10 @@ def build_loop(cfg: Any, built: Setup, run_dir: Path | None, sink: RecordSink, r
     """The loop's parts, from the config and what setup built; nothing starts yet."""
     plan, device, optimizer, scheduler = built.plan, built.device, built.optimizer, built.scheduler
     when = MetricsConfig(cfg.log_every, cfg.max_steps, cfg.monitor.every_n_steps, cfg.timing_warmup_steps)
+    stream = BatchStream(built.train_loader, device)  # on CUDA: batches copied ahead, or drawn on the device
     metrics = StepMetrics(device, built.throughput, when, sink, reporter, lr=lambda: scheduler.get_last_lr()[0],
-                          loss_scale=plan.loss_scale, compiled=bool(cfg.compile))
-    stream = BatchStream(built.train_loader)
+                          loss_scale=plan.loss_scale, compiled=bool(cfg.compile),
+                          gpu_waits=stream.pop_gpu_wait_ms, handoffs_per_step=plan.micro_steps)
     guard = NonFiniteGuard(device, cfg.guard.max_bad_steps, scaler_skips=plan.skips_nonfinite_steps)
     checkpointer = Checkpointer(cfg.checkpoint, checkpoint_folder(cfg.checkpoint.dir, run_dir),
                                 Parts(plan, optimizer, scheduler, stream, metrics), guard, sink,

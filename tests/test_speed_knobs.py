@@ -1,6 +1,7 @@
 """The speed knobs wired into the trainer: ``loss=chunked`` trains as ``loss=standard``
 does (alone, with accumulation, under DDP and FSDP2 with 2 gloo ranks, compiled whole),
-and each knob is named in summary.json."""
+each knob is named in summary.json, and the CUDA input path (batches read ahead, or
+drawn on the device) keeps the order and the resume position of the plain stream."""
 
 from __future__ import annotations
 
@@ -9,9 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
+from perfrun.data import ResumableSampler, build_loader
+from perfrun.data.synthetic import SyntheticTokens
 from perfrun.losses import build
 from perfrun.model import GPT, GPTConfig
+from perfrun.step import BatchStream
 from perfrun.train import run
 
 from conftest import TINY_MODEL, losses, make_cfg, run_cli
@@ -88,3 +93,69 @@ def test_compiled_gpt_with_the_chunked_loss_has_no_graph_break() -> None:
     assert set(got[1]) == set(want[1]) and "wte.weight" in got[1]
     for name, grad in want[1].items():
         assert ((got[1][name] - grad).norm() / grad.norm()).item() <= TOL, name
+
+
+def loader_of(n: int = 10, seq: int = 4, batch: int = 3) -> torch.utils.data.DataLoader:
+    """A real resumable loader over n windows (3 batches an epoch, one window left over)."""
+    tokens = torch.arange(n * (seq + 1)).view(n, seq + 1)
+    data = torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:])
+    return build_loader(data, OmegaConf.create({"batch_size": batch, "num_workers": 0, "pin_memory": False,
+                                                "persistent_workers": False}),
+                        device_type="cpu", shuffle=True, seed=5)
+
+
+def test_reading_ahead_keeps_the_order_and_the_position_across_epochs() -> None:
+    """The CUDA path (one batch read and copied ahead), run on the CPU: the plain stream's
+    batches and, after each, its position; then a resume from a mid-epoch position."""
+    plain, ahead = BatchStream(loader_of()), BatchStream(loader_of(), ahead=True)
+    plain.start(0, 0)
+    ahead.start(0, 0)
+    positions, batches = [], []
+    for _ in range(8):  # into the third epoch
+        want, got = plain.next(), ahead.next()
+        assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+        assert ahead.position() == plain.position()
+        positions.append(plain.position())
+        batches.append(want)
+    assert positions[2] == {"epoch": 0, "consumed": 9} and positions[3] == {"epoch": 1, "consumed": 3}
+    resumed = BatchStream(loader_of(), ahead=True)
+    resumed.start(**positions[3])
+    for want in batches[4:]:
+        assert all(torch.equal(a, b) for a, b in zip(want, resumed.next(), strict=True))
+    assert resumed.position() == positions[-1] and resumed.pop_gpu_wait_ms() == []  # no CUDA waits to time
+
+
+def test_device_synthetic_stream_resumes_on_the_next_batch() -> None:
+    data = SyntheticTokens(vocab_size=50, seq_len=8, seed=3, stream=0, windows=64)
+    make = lambda: torch.utils.data.DataLoader(data, batch_size=4, sampler=ResumableSampler(len(data), 3))  # noqa: E731
+    whole = BatchStream(make(), ahead=True)
+    whole.start(0, 0)
+    batches = [whole.next() for _ in range(5)]
+    assert whole.position() == {"epoch": 0, "consumed": 20} and whole.pop_gpu_wait_ms() is None
+    resumed = BatchStream(make(), ahead=True)
+    resumed.start(0, 8)
+    for x, y in batches[2:]:
+        rx, ry = resumed.next()
+        assert torch.equal(rx, x) and torch.equal(ry, y) and int(x.max()) < 50
+
+
+def test_the_cpu_loop_reports_no_gpu_starvation(standard_runs: dict[int, Path]) -> None:
+    records = [json.loads(line) for line in (standard_runs[1] / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["gpu_starved_pct"] is None for r in records if r["kind"] == "train")
+    assert json.loads((standard_runs[1] / "summary.json").read_text())["gpu_starved_pct"] is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("data", ["pysource", "synthetic"])
+def test_cuda_input_resumes_exactly_and_times_the_gpus_wait(data: str, tmp_path: Path) -> None:
+    """On CUDA: host data copied ahead (its waits timed), synthetic data drawn on the device;
+    6 steps straight against 3 + a resume for 3, loss for loss."""
+    args = [*COMMON, "device=cuda", f"data={data}", "max_steps=6", "dataloader.batch_size=4", "accumulation.steps=2"]
+    straight = run(make_cfg(*args), tmp_path / "straight")
+    run(make_cfg(*args, "checkpoint.every_n_steps=3", "checkpoint.keep_last=2"), tmp_path / "first")
+    ckpt = tmp_path / "first" / "checkpoints" / "step_0000003.pt"
+    resumed = run(make_cfg(*args, f"resume={ckpt}"), tmp_path / "resumed")
+    want, got = losses(tmp_path / "straight"), losses(tmp_path / "resumed")
+    assert resumed["start_step"] == 3 and all(got[k] == want[k] for k in (4, 5, 6)), (want, got)
+    starved = straight["gpu_starved_pct"]
+    assert (starved is None) if data == "synthetic" else (0 <= starved <= 100)
