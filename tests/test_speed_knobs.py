@@ -6,14 +6,17 @@ drawn on the device) keeps the order and the resume position of the plain stream
 from __future__ import annotations
 
 import json
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
 import torch
 from omegaconf import OmegaConf
 
+from perfrun.config import validate
 from perfrun.data import ResumableSampler, build_loader
 from perfrun.data.synthetic import SyntheticTokens
+from perfrun.knobs import Plan, compilation
 from perfrun.losses import build
 from perfrun.model import GPT, GPTConfig
 from perfrun.step import BatchStream
@@ -159,3 +162,18 @@ def test_cuda_input_resumes_exactly_and_times_the_gpus_wait(data: str, tmp_path:
     assert resumed["start_step"] == 3 and all(got[k] == want[k] for k in (4, 5, 6)), (want, got)
     starved = straight["gpu_starved_pct"]
     assert (starved is None) if data == "synthetic" else (0 <= starved <= 100)
+
+
+@pytest.mark.parametrize("mode", ["default", "max-autotune-no-cudagraphs", "reduce-overhead", "max-autotune"])
+def test_compile_modes_are_options_and_only_cuda_graph_modes_mark_steps(mode: str) -> None:
+    cfg = make_cfg("compile=true", f"compile_options.mode={mode}")
+    validate(cfg)
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=32))
+    with ExitStack() as stack:
+        plan = Plan(model=model, raw_model=model)
+        compilation.apply(cfg, torch.device("cpu"), plan, stack)
+        assert plan.notes["compile_options"]["mode"] == mode and plan.step_hooks == []  # the CPU has no graphs
+        if mode in compilation.CUDA_GRAPH_MODES:
+            plan = Plan(model=model, raw_model=model)
+            compilation.apply(cfg, torch.device("cuda"), plan, stack)  # torch.compile is lazy: nothing runs on CUDA
+            assert plan.step_hooks == [compilation.next_graph_generation]
