@@ -15,8 +15,6 @@ from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
-from perfrun.losses import LOSSES, LossConfig
-
 
 class ConfigError(ValueError):
     """A user's configuration mistake: reported as one line, never as a traceback."""
@@ -30,6 +28,19 @@ class PrecisionConfig:
     dtype: str = "float32"  # float32 | bfloat16 | float16
     tf32: bool = False
     recipe: str = "tensorwise"  # fp8: tensorwise | rowwise scales (perfrun/knobs/fp8.py)
+
+
+LOSSES = ("standard", "chunked")  # the loss group's options (perfrun/losses.py)
+
+
+@dataclass
+class LossConfig:
+    """The ``loss`` group: ``standard`` (all logits at once) or ``chunked`` (perfrun/losses.py)."""
+
+    name: str = "standard"  # standard | chunked
+    # chunked: rows (tokens) per chunk; one chunk's fp32 logits take chunk_size x vocab x 4 bytes
+    # (GPT-2, 2048 rows: 412 MB, against 3.3 GB for all 16 x 1024 rows at once)
+    chunk_size: int = 2048
 
 
 @dataclass
@@ -50,6 +61,9 @@ class DataLoaderConfig:
     memory_budget_mib: float | None = None  # auto: tensor memory allowed (needed on the CPU)
     num_workers: int = 0
     pin_memory: bool = True  # only takes effect on CUDA
+    # CUDA: host batches copied one step ahead on a side stream, data=synthetic drawn on the
+    # device (perfrun/step.py: BatchStream); false: each batch copied when the step takes it
+    device_input: bool = True
     persistent_workers: bool = False
     prefetch_factor: int | None = None  # torch's default (2) when workers > 0
 

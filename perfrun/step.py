@@ -46,6 +46,13 @@ class BatchStream:
         self._it: Any = None  # made by start(): the loader's workers start there
         self._ahead: DevicePrefetcher | DeviceSyntheticStream | None = None  # CUDA only
 
+    @property
+    def input_path(self) -> str:
+        """How batches reach the step, for summary.json's knobs."""
+        if not self.ahead:
+            return "loader" if self.device.type == "cpu" else "loader, copied when taken"
+        return "drawn on the device" if isinstance(self.loader.dataset, SyntheticTokens) else "copied ahead on a side stream"
+
     def start(self, epoch: int, consumed: int) -> None:
         self.epoch, self.consumed = epoch, consumed
         self._ahead = None

@@ -136,7 +136,9 @@ def build_loop(cfg: Any, built: Setup, run_dir: Path | None, sink: RecordSink, r
     """The loop's parts, from the config and what setup built; nothing starts yet."""
     plan, device, optimizer, scheduler = built.plan, built.device, built.optimizer, built.scheduler
     when = MetricsConfig(cfg.log_every, cfg.max_steps, cfg.monitor.every_n_steps, cfg.timing_warmup_steps)
-    stream = BatchStream(built.train_loader, device)  # on CUDA: batches copied ahead, or drawn on the device
+    # on CUDA: batches copied ahead, or drawn on the device
+    stream = BatchStream(built.train_loader, device, ahead=device.type == "cuda" and cfg.dataloader.device_input)
+    plan.notes["input"] = stream.input_path
     metrics = StepMetrics(device, built.throughput, when, sink, reporter, lr=lambda: scheduler.get_last_lr()[0],
                           loss_scale=plan.loss_scale, compiled=bool(cfg.compile),
                           gpu_waits=stream.pop_gpu_wait_ms, handoffs_per_step=plan.micro_steps)

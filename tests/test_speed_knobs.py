@@ -145,7 +145,8 @@ def test_device_synthetic_stream_resumes_on_the_next_batch() -> None:
 def test_the_cpu_loop_reports_no_gpu_starvation(standard_runs: dict[int, Path]) -> None:
     records = [json.loads(line) for line in (standard_runs[1] / "metrics.jsonl").read_text().splitlines()]
     assert all(r["gpu_starved_pct"] is None for r in records if r["kind"] == "train")
-    assert json.loads((standard_runs[1] / "summary.json").read_text())["gpu_starved_pct"] is None
+    summary = json.loads((standard_runs[1] / "summary.json").read_text())
+    assert summary["gpu_starved_pct"] is None and summary["knobs"]["input"] == "loader"
 
 
 @pytest.mark.gpu
@@ -177,3 +178,13 @@ def test_compile_modes_are_options_and_only_cuda_graph_modes_mark_steps(mode: st
             plan = Plan(model=model, raw_model=model)
             compilation.apply(cfg, torch.device("cuda"), plan, stack)  # torch.compile is lazy: nothing runs on CUDA
             assert plan.step_hooks == [compilation.next_graph_generation]
+
+
+@pytest.mark.gpu
+def test_fp8_run_names_the_layers_kept_in_bf16(tmp_path: Path) -> None:
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 tensor cores need compute capability 8.9 or higher")
+    s = run(make_cfg(*COMMON, "device=cuda", "precision=fp8", "dataloader.batch_size=4"), tmp_path)
+    fp8 = s["knobs"]["fp8"]
+    assert s["status"] == "completed" and fp8["converted"] == 8  # 4 Linear layers in each of 2 blocks
+    assert list(fp8["kept_in_bf16"]) == ["lm_head"] and "tied" in fp8["kept_in_bf16"]["lm_head"]
