@@ -24,9 +24,23 @@ class ConfigError(ValueError):
 class PrecisionConfig:
     """Autocast dtype. ``none`` trains in fp32; ``tf32`` lets fp32 matmuls use TF32 on CUDA."""
 
-    name: str = "none"
+    name: str = "none"  # none | bf16 | fp16 | fp8
     dtype: str = "float32"  # float32 | bfloat16 | float16
     tf32: bool = False
+    recipe: str = "tensorwise"  # fp8: tensorwise | rowwise scales (perfrun/knobs/fp8.py)
+
+
+LOSSES = ("standard", "chunked")  # the loss group's options (perfrun/losses.py)
+
+
+@dataclass
+class LossConfig:
+    """The ``loss`` group: ``standard`` (all logits at once) or ``chunked`` (perfrun/losses.py)."""
+
+    name: str = "standard"  # standard | chunked
+    # chunked: rows (tokens) per chunk; one chunk's fp32 logits take chunk_size x vocab x 4 bytes
+    # (GPT-2, 2048 rows: 412 MB, against 3.3 GB for all 16 x 1024 rows at once)
+    chunk_size: int = 2048
 
 
 @dataclass
@@ -47,6 +61,9 @@ class DataLoaderConfig:
     memory_budget_mib: float | None = None  # auto: tensor memory allowed (needed on the CPU)
     num_workers: int = 0
     pin_memory: bool = True  # only takes effect on CUDA
+    # CUDA: host batches copied one step ahead on a side stream, data=synthetic drawn on the
+    # device (perfrun/step.py: BatchStream); false: each batch copied when the step takes it
+    device_input: bool = True
     persistent_workers: bool = False
     prefetch_factor: int | None = None  # torch's default (2) when workers > 0
 
@@ -95,7 +112,8 @@ class OptimConfig:
 
 @dataclass
 class CompileOptions:
-    mode: str = "default"  # default | reduce-overhead | max-autotune
+    # default | max-autotune-no-cudagraphs | reduce-overhead | max-autotune (the last two: CUDA graphs)
+    mode: str = "default"
     scope: str = "model"  # model | blocks: the whole module, or each block's forward (perfrun/knobs/compilation.py)
     fullgraph: bool = False
     dynamic: bool | None = False
@@ -185,6 +203,7 @@ class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
     compile: bool = False
     compile_options: CompileOptions = field(default_factory=CompileOptions)
     cudnn_benchmark: bool = False
@@ -267,7 +286,9 @@ CHOICES = {
     "data.name": ("pysource", "text", "memmap", "synthetic"),
     "optim.name": ("adamw",),
     "optim.fused": ("auto", "true", "false"),
-    "compile_options.mode": ("default", "reduce-overhead", "max-autotune"),
+    "compile_options.mode": ("default", "max-autotune-no-cudagraphs", "reduce-overhead", "max-autotune"),
+    "loss.name": LOSSES,
+    "precision.recipe": ("tensorwise", "rowwise"),
     "compile_options.scope": ("model", "blocks"),
     "attention": ("sdpa", "eager"),
     "sdpa_backend": ("auto", "flash", "efficient", "cudnn", "math"),
@@ -346,6 +367,7 @@ def validate(cfg: Any) -> None:
     _check_batch_size(cfg.dataloader)
     at_least("dataloader.num_workers", 0)
     at_least("accumulation.steps", 1)
+    at_least("loss.chunk_size", 1, " (tokens per chunk of loss=chunked)")
     at_least("max_steps", 1, " (the number of optimizer steps to train)")
     at_least("log_every", 1)
     at_least("eval_every", 0)

@@ -17,32 +17,24 @@ weight ``(V, C)`` (GPT-2's is the token embedding, tied) and targets of hidden's
 shape. Under autocast the matmuls run in the autocast dtype and the softmax in fp32, as
 the standard path does.
 
-This module imports nothing from perfrun, so that the schema in ``perfrun/config.py`` can
-hold :class:`LossConfig` without an import cycle.
+The ``loss`` group's schema (:class:`LossConfig`, ``LOSSES``) lives in ``perfrun/config.py``
+with the others, which imports no torch (shell completion runs without it).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 import torch
 from torch.nn import functional as F
 
+from perfrun.config import LOSSES, LossConfig
+
+__all__ = ["LOSSES", "LossConfig", "LossFn", "build", "chunked_linear_cross_entropy", "standard_linear_cross_entropy"]
+
 LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-LOSSES = ("standard", "chunked")  # the loss group's options, for config.CHOICES
-
-
-@dataclass
-class LossConfig:
-    """The ``loss`` group: ``standard`` (all logits at once) or ``chunked``."""
-
-    name: str = "standard"  # standard | chunked
-    # chunked: rows (tokens) per chunk; one chunk's fp32 logits take chunk_size x vocab x 4 bytes
-    # (GPT-2, 2048 rows: 412 MB, against 3.3 GB for all 16 x 1024 rows at once)
-    chunk_size: int = 2048
 
 
 def standard_linear_cross_entropy(
@@ -116,7 +108,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 LOSS_FUNCTIONS = {"standard": standard_linear_cross_entropy, "chunked": chunked_linear_cross_entropy}
 
 
-def build(cfg: Any) -> LossFn:
+def build(cfg: LossConfig | Any) -> LossFn:
     """The loss function the ``loss`` group names, as ``fn(hidden, weight, targets)``
     (``config.validate`` has checked the name and the chunk size)."""
     return partial(LOSS_FUNCTIONS[cfg.name], chunk_size=int(cfg.chunk_size))

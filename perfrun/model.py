@@ -14,6 +14,8 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
+from perfrun.losses import LossFn, standard_linear_cross_entropy
+
 
 @dataclass
 class GPTConfig:
@@ -177,6 +179,8 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied embeddings
+        # (hidden, head weight, targets) -> mean loss: the ``loss`` knob may swap in the chunked one
+        self.loss_fn: LossFn = standard_linear_cross_entropy
         self.apply(self._init_weights)
         # GPT-2: scale the residual projections by 1/sqrt(2 * n_layer).
         for name, p in self.named_parameters():
@@ -208,17 +212,21 @@ class GPT(nn.Module):
         c = self.config
         return 6 * self.num_params() + 12 * c.n_layer * c.n_head * (c.n_embd // c.n_head) * seq_len
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(logits, None) without targets; (None, loss) with them: the loss function takes the
+        head's (tied) weight here, inside forward, so DDP and FSDP2 see its use and its
+        gradient, and the chunked loss never materialises the logits."""
         T = idx.size(1)
         pos = torch.arange(T, device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(pos))
         for block in self.blocks:
             x = block(x)
-        logits = self.lm_head(self.ln_f(x))
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
-        return logits, loss
+        hidden = self.ln_f(x)
+        if targets is None:
+            return self.lm_head(hidden), None
+        return None, self.loss_fn(hidden, self.lm_head.weight, targets)
 
     @torch.no_grad()
     def forward_cached(self, idx: torch.Tensor, cache: KVCache, last: torch.Tensor | None = None) -> torch.Tensor:

@@ -9,10 +9,15 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
+from perfrun.config import ConfigError
+from perfrun.data.synthetic import SyntheticTokens
+from perfrun.device_prefetch import DevicePrefetcher
+from perfrun.device_synthetic import DeviceSyntheticStream
 from perfrun.knobs import Plan
 from perfrun.telemetry.step_metrics import StepMetrics
 
@@ -23,20 +28,55 @@ class BatchStream:
     The position counts what the loop took, not what workers prefetched, so a checkpoint
     taken between steps resumes on exactly the next batch. Under DDP it counts the samples
     of all ranks (each takes one batch per call), the unit the sharded sampler starts from.
+
+    On CUDA the batches reach the loop on the device already: ``data=synthetic`` draws them
+    there (:class:`DeviceSyntheticStream`), any other source is copied one batch ahead on a
+    side stream (:class:`DevicePrefetcher`), in the same order and with the position of the
+    batch handed over. On the CPU the loader's batches are handed over as they come
+    (``ahead=True`` takes the CUDA path there too: what tests of its order can run).
     """
 
-    def __init__(self, loader: torch.utils.data.DataLoader) -> None:
+    def __init__(self, loader: torch.utils.data.DataLoader, device: torch.device | None = None, *,
+                 ahead: bool | None = None) -> None:
         self.loader = loader
+        self.device = device if device is not None else torch.device("cpu")
+        self.ahead = self.device.type == "cuda" if ahead is None else ahead
         self.batch_size = int(loader.batch_size) * getattr(loader.sampler, "world", 1)
-        self.epoch = self.consumed = 0
+        self.epoch = self.consumed = 0  # the host source's position (on CUDA: one batch ahead of the loop)
         self._it: Any = None  # made by start(): the loader's workers start there
+        self._ahead: DevicePrefetcher | DeviceSyntheticStream | None = None  # CUDA only
+
+    @property
+    def input_path(self) -> str:
+        """How batches reach the step, for summary.json's knobs."""
+        if not self.ahead:
+            return "loader" if self.device.type == "cpu" else "loader, copied when taken"
+        return "drawn on the device" if isinstance(self.loader.dataset, SyntheticTokens) else "copied ahead on a side stream"
 
     def start(self, epoch: int, consumed: int) -> None:
         self.epoch, self.consumed = epoch, consumed
+        self._ahead = None
+        if self.ahead and isinstance(self.loader.dataset, SyntheticTokens):
+            self._ahead = self._device_synthetic(epoch, consumed)
+            return
         self.loader.sampler.set_position(epoch, consumed)
         self._it = iter(self.loader)
+        if self.ahead:
+            self._ahead = DevicePrefetcher(self._host_batches(), self.device, position=self._host_position,
+                                           ahead=True)
 
     def next(self) -> Any:
+        return self._read_host() if self._ahead is None else next(self._ahead)
+
+    def position(self) -> dict[str, int]:
+        return self._host_position() if self._ahead is None else self._ahead.position()
+
+    def pop_gpu_wait_ms(self) -> list[float] | None:
+        """The device's waits for each batch copy since the last call (see
+        :meth:`DevicePrefetcher.pop_wait_ms`); None where no copy is prefetched."""
+        return self._ahead.pop_wait_ms() if isinstance(self._ahead, DevicePrefetcher) else None
+
+    def _read_host(self) -> Any:
         try:
             batch = next(self._it)
         except StopIteration:
@@ -47,8 +87,23 @@ class BatchStream:
         self.consumed += self.batch_size
         return batch
 
-    def position(self) -> dict[str, int]:
+    def _host_batches(self) -> Iterator[Any]:
+        while True:
+            yield self._read_host()
+
+    def _host_position(self) -> dict[str, int]:
         return {"epoch": self.epoch, "consumed": self.consumed}
+
+    def _device_synthetic(self, epoch: int, consumed: int) -> DeviceSyntheticStream:
+        """The host synthetic source's parameters, drawn on the device from ``consumed`` on."""
+        data, sampler = self.loader.dataset, self.loader.sampler
+        if epoch:  # the synthetic split holds over a million windows: no run gets to a second epoch
+            raise ConfigError(f"data=synthetic on CUDA resumes within its first epoch, not at epoch {epoch}; "
+                              "start the run afresh (resume=null)")
+        return DeviceSyntheticStream(
+            vocab_size=data.vocab_size, seq_len=data.seq_len, batch_size=int(self.loader.batch_size), seed=data.seed,
+            device=self.device, stream=data.stream, rank=getattr(sampler, "rank", 0),
+            world=getattr(sampler, "world", 1), consumed=consumed)
 
 
 class TrainStep:

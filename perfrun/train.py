@@ -29,7 +29,7 @@ from perfrun.data import build_datasets, build_loader
 from perfrun.environment import device_name, environment, global_state, rank_info
 from perfrun.evaluator import Evaluator
 from perfrun.guards import Diverged, GracefulStop, Interrupted, NonFiniteGuard
-from perfrun.knobs import Plan, apply_knobs
+from perfrun.knobs import Plan, apply_knobs, fp8
 from perfrun.model import GPT, GPTConfig, padded_vocab
 from perfrun.optim import build_optimizer, build_scheduler
 from perfrun.pretrained import init_from
@@ -39,7 +39,7 @@ from perfrun.telemetry import contention
 from perfrun.telemetry.loggers import build_sinks
 from perfrun.telemetry.mfu import mfu_dtype, resolve_peak
 from perfrun.telemetry.profiling import attach_profiler, dump_memory_snapshot, start_memory_history
-from perfrun.telemetry.sinks import ConsoleReporter, RecordSink
+from perfrun.telemetry.sinks import ConsoleReporter, RecordSink, data_figure
 from perfrun.telemetry.step_metrics import MetricsConfig, StepMetrics, Throughput
 
 log = logging.getLogger("perfrun")
@@ -67,6 +67,7 @@ def setup(cfg: Any, stack: ExitStack) -> Setup:
     """Everything before the first step: validated config, data, model, knobs, optimizer."""
     validate(cfg)
     device = distributed.setup_device(cfg.device, cfg.distributed, stack)
+    fp8.check(cfg, device)  # refused before any data or model is built
     rank, world = distributed.rank(), distributed.world_size()
     snapshot = start_memory_history(cfg, device, stack)
     distributed.seed_everything(cfg.seed)
@@ -136,9 +137,12 @@ def build_loop(cfg: Any, built: Setup, run_dir: Path | None, sink: RecordSink, r
     """The loop's parts, from the config and what setup built; nothing starts yet."""
     plan, device, optimizer, scheduler = built.plan, built.device, built.optimizer, built.scheduler
     when = MetricsConfig(cfg.log_every, cfg.max_steps, cfg.monitor.every_n_steps, cfg.timing_warmup_steps)
+    # on CUDA: batches copied ahead, or drawn on the device
+    stream = BatchStream(built.train_loader, device, ahead=device.type == "cuda" and cfg.dataloader.device_input)
+    plan.notes["input"] = stream.input_path
     metrics = StepMetrics(device, built.throughput, when, sink, reporter, lr=lambda: scheduler.get_last_lr()[0],
-                          loss_scale=plan.loss_scale, compiled=bool(cfg.compile))
-    stream = BatchStream(built.train_loader)
+                          loss_scale=plan.loss_scale, compiled=bool(cfg.compile),
+                          gpu_waits=stream.pop_gpu_wait_ms, handoffs_per_step=plan.micro_steps)
     guard = NonFiniteGuard(device, cfg.guard.max_bad_steps, scaler_skips=plan.skips_nonfinite_steps)
     checkpointer = Checkpointer(cfg.checkpoint, checkpoint_folder(cfg.checkpoint.dir, run_dir),
                                 Parts(plan, optimizer, scheduler, stream, metrics), guard, sink,
@@ -320,8 +324,8 @@ def _log_summary(summary: RunSummary) -> None:
     mfu = summary.get("mfu_median")
     log.info(
         f"done: {f(summary.get('tokens_per_s_median'), ',.0f')} tok/s (median of {summary.get('steady_steps')} steady steps), "
-        + (f"MFU {100 * mfu:.1f}%" if mfu is not None else f"MFU n/a ({summary.get('mfu_peak_source')})")
-        + f", peak mem {f(summary.get('peak_mem_mib'), ',.0f')} MiB, data-wait {f(summary.get('data_wait_pct'), '.1f')}%, "
+        + (f"MFU {100 * mfu:.1f}%" if mfu is not None else "MFU n/a (no peak: see the MFU peak line above)")
+        + f", peak mem {f(summary.get('peak_mem_mib'), ',.0f')} MiB, {data_figure(summary)}, "
         f"first step {f(summary.get('first_step_s'), '.2f')} s, train loss {f(summary.get('final_train_loss'), '.4f')}, "
         f"val loss {f(summary.get('final_val_loss'), '.4f')}"
     )

@@ -13,6 +13,8 @@
 #   compile-scope  compile_options.scope=model vs blocks under none/ddp/fsdp
 #   fsdp-cost      FSDP2's one-GPU cost: reshard_after_forward, gpt2-medium, profiled steps
 #   generate       scripts/bench_generate.py (where present)
+#   speed          scripts/bench_speed.py: the speed knobs (device input, loss=chunked, fp8, compile
+#                  modes, all of them) against the plain nanoGPT-recipe loop; gpt2 and the tiny model
 #   all            every suite above, in that order
 #
 # Run from the repository's root. Python is python3 unless PYTHON is set; the checkout is put
@@ -20,7 +22,7 @@
 set -uo pipefail
 OUT_DIR="outputs/benchmarks/$(date +%Y-%m-%d_%H-%M-%S)"
 if [ "${1:-}" = "--out" ]; then OUT_DIR="$2"; shift 2; fi
-[ $# -gt 0 ] || { sed -n 2,19p "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+[ $# -gt 0 ] || { sed -n 2,21p "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 PY=${PYTHON:-python3}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PERFRUN_CACHE=${PERFRUN_CACHE:-/tmp/perfrun-cache} COLUMNS=160
 GPT2="model=gpt2 data=synthetic dataloader.batch_size=16 device=cuda precision=bf16"
@@ -106,7 +108,19 @@ suite_generate() {
   tail -12 "$R/bench_generate.txt" >> "$DIGEST"
 }
 
-ALL="tests gpu-check trainer monitor distributed compile-scope fsdp-cost generate"
+suite_speed() {
+  "$PY" scripts/bench_speed.py --steps 60 --warmup 20 --repeats 3 --json "$R/bench_speed_gpt2.json" \
+    $GPT2 compile=true > "$R/bench_speed_gpt2.txt" 2>&1
+  echo "speed (gpt2) rc=$?" >> "$DIGEST"
+  grep -E "^(plain|host|perfrun|loss|precision|mode|all|skipped)" "$R/bench_speed_gpt2.txt" >> "$DIGEST"
+  "$PY" scripts/bench_speed.py --steps 200 --warmup 50 --repeats 3 --json "$R/bench_speed_tiny.json" \
+    model=tiny data=synthetic dataloader.batch_size=16 device=cuda precision=bf16 compile=true \
+    > "$R/bench_speed_tiny.txt" 2>&1
+  echo "speed (tiny) rc=$?" >> "$DIGEST"
+  grep -E "^(plain|host|perfrun|loss|precision|mode|all|skipped)" "$R/bench_speed_tiny.txt" >> "$DIGEST"
+}
+
+ALL="tests gpu-check trainer monitor distributed compile-scope fsdp-cost generate speed"
 SUITES=()
 for s in "$@"; do
   if [ "$s" = all ]; then SUITES+=($ALL); continue; fi

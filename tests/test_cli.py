@@ -31,7 +31,7 @@ def test_help_lists_the_commands(tmp_path: Path) -> None:
 
 def test_train_is_a_hydra_app(tmp_path: Path) -> None:
     h = run_cli("train", "--help", cwd=tmp_path)
-    assert h.returncode == 0 and "precision: bf16, fp16, none" in h.stdout and "perfrun train" in h.stdout
+    assert h.returncode == 0 and "precision: bf16, fp16, fp8, none" in h.stdout and "perfrun train" in h.stdout
     groups = h.stdout.split("== Configuration groups ==")[1].split("== Config ==")[0]
     assert "logger: mlflow, none, tensorboard, wandb" in groups and "sweep: ablation" in groups
     assert "ablation:" not in groups  # the presets +sweep=ablation picks are not offered
@@ -121,7 +121,7 @@ def test_multirun_sweep_and_clean_state_between_jobs(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "args, rc, words",
     [
-        (["precision=bf17"], 2, "precision=bf17 is not an option of precision; choose one of bf16, fp16, none"),
+        (["precision=bf17"], 2, "precision=bf17 is not an option of precision; choose one of bf16, fp16, fp8, none"),
         (["dataloader.batch_size=0"], 2, "dataloader.batch_size=0 must be >= 1"),
     ],
 )

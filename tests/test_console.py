@@ -29,7 +29,7 @@ ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07")
 
 def record(step: int = 4000, max_steps: int = 5000, mfu: float | None = 0.452, mem: float | None = 46_182.0) -> dict:
     return {"kind": "train", "step": step, "max_steps": max_steps, "loss": 3.11694, "lr": 6e-4, "grad_norm": 0.913,
-            "step_time_ms": 412.3, "tokens_per_s": 1_234_567.0, "mfu": mfu, "data_wait_pct": 0.31, "peak_mem_mib": mem}
+            "step_time_ms": 412.3, "tokens_per_s": 1_234_567.0, "mfu": mfu, "host_data_wait_pct": 0.31, "peak_mem_mib": mem}
 
 
 GPU = {"gpu_util_pct_mean": 98.2, "power_w_mean": 689.6, "temp_c_max": 71.0, "host_cpu_pct_mean": 12.0, "rss_mib_max": 2100.0}
@@ -47,11 +47,13 @@ def test_the_step_line_fits_80_columns_with_the_gpu_folded_in() -> None:
 
 def test_a_wide_console_gets_every_figure_and_a_cpu_the_data_wait() -> None:
     wide = step_line(record(), 160 - TIME_WIDTH, gpu_parts(GPU))
-    for part in ("GPU 98%", "690W", "71C", "data-wait 0.3%", "412.3 ms/step", "lr 6.00e-04", "gnorm 0.91"):
+    for part in ("GPU 98%", "690W", "71C", "host wait 0.3%", "412.3 ms/step", "lr 6.00e-04", "gnorm 0.91"):
         assert part in wide
     cpu = step_line(record(step=40, max_steps=600, mfu=None, mem=419.0), 80 - TIME_WIDTH)
-    assert cpu.startswith("step 40/600 loss 3.117 1.23M tok/s data-wait 0.3% mem 419M") and len(cpu) <= 80 - TIME_WIDTH
-    assert "GPU" not in cpu and "host" not in cpu and "RSS" not in cpu
+    assert cpu.startswith("step 40/600 loss 3.117 1.23M tok/s host wait 0.3% mem 419M") and len(cpu) <= 80 - TIME_WIDTH
+    assert "GPU" not in cpu and "host CPU" not in cpu and "RSS" not in cpu
+    cuda = step_line({**record(mfu=None), "gpu_starved_pct": 0.4}, 80 - TIME_WIDTH)
+    assert "starved 0.4%" in cuda and "host wait" not in cuda  # on CUDA the device's own figure
 
 
 def test_the_reporter_waits_for_the_monitor_sample_of_its_step(caplog: pytest.LogCaptureFixture) -> None:

@@ -188,7 +188,7 @@ def test_help_lists_every_key_and_flag_and_cfg_job_composes(
         assert f"  {key}:" in tree, key
     for flag, (key, _) in FLAGS.items():
         assert flag in text and key.split("=")[0] in text, flag
-    assert "model:" in text and "precision: bf16, fp16, none" in text  # the trainer's keys and groups too
+    assert "model:" in text and "precision: bf16, fp16, fp8, none" in text  # the trainer's keys and groups too
     assert tune.main(["--cfg", "job", "--steps", "4", "model=gpt2"]) == 0
     cfg = capsys.readouterr().out
     assert "  steps: 4\n" in cfg and "n_layer: 12" in cfg

@@ -80,11 +80,21 @@ class Plan:
 
 
 def apply_knobs(cfg: Any, device: torch.device, model: nn.Module, stack: ExitStack) -> Plan:
-    """Apply every knob in a fixed order: backends, precision, activation checkpointing, ddp or fsdp, compile."""
-    from perfrun.knobs import activation_checkpointing, backends, compilation, ddp, fsdp, precision
+    """Apply every knob in a fixed order: backends, precision, fp8 (on the plain model), the
+    loss, activation checkpointing, ddp or fsdp, compile."""
+    from perfrun.knobs import (
+        activation_checkpointing,
+        backends,
+        compilation,
+        ddp,
+        fp8,
+        fsdp,
+        loss,
+        precision,
+    )
 
     plan = Plan(model=model, raw_model=model, micro_steps=int(cfg.accumulation.steps))
     plan.notes["accumulation_steps"] = plan.micro_steps
-    for knob in (backends, precision, activation_checkpointing, ddp, fsdp, compilation):
+    for knob in (backends, precision, fp8, loss, activation_checkpointing, ddp, fsdp, compilation):
         knob.apply(cfg, device, plan, stack)
     return plan

@@ -7,6 +7,14 @@ transformer block's ``forward`` on its own, with the module hooks outside the gr
 torchtitan recipe for FSDP). Measured on one H100 with GPT-2 124M and bf16 (BENCHMARKS.md),
 ``model`` was the faster of the two under none, DDP and FSDP alike, so it is the default.
 Either way the state dict keeps the plain model's names.
+
+``compile_options.mode``: ``default``; ``max-autotune-no-cudagraphs`` (inductor benchmarks
+kernel choices, no CUDA graphs); ``reduce-overhead`` and ``max-autotune`` replay CUDA
+graphs, which the step path allows: shapes never change (``drop_last``, a fixed batch),
+no host sync inside a step, and the compiled call takes only the batch (the loss function
+and its chunk size are constants of the model). With CUDA graphs, each optimizer step
+starts a new graph generation (``cudagraph_mark_step_begin``), so outputs the last step
+left behind are known to be dead.
 """
 
 from __future__ import annotations
@@ -18,6 +26,13 @@ from typing import Any
 import torch
 
 from perfrun.config import ConfigError
+
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+
+def next_graph_generation(step: int) -> None:
+    """After a step: the next one starts a new CUDA graph generation."""
+    torch.compiler.cudagraph_mark_step_begin()
 
 
 def apply(cfg: Any, device: torch.device, plan: Any, stack: ExitStack) -> None:
@@ -39,6 +54,8 @@ def apply(cfg: Any, device: torch.device, plan: Any, stack: ExitStack) -> None:
         for block in plan.raw_model.blocks:
             block.forward = torch.compile(block.forward, **options)  # maybe checkpoint-wrapped already
             stack.callback(block.__dict__.pop, "forward", None)
+    if device.type == "cuda" and opts.mode in CUDA_GRAPH_MODES:
+        plan.step_hooks.append(next_graph_generation)
     stack.callback(torch.compiler.reset)
     plan.notes["compile_options"] = {"mode": opts.mode, "fullgraph": bool(opts.fullgraph), "dynamic": opts.dynamic,
                                      "scope": scope}

@@ -22,6 +22,7 @@ is left in place after the job because torchao applies it only once per process.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections import Counter
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -30,10 +31,12 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from perfrun.config import ConfigError
+from perfrun.config import CHOICES, ConfigError
 from perfrun.inference.int8 import torchao_available
 
-RECIPES = ("tensorwise", "rowwise")
+log = logging.getLogger("perfrun")
+
+RECIPES = CHOICES["precision.recipe"]
 MIN_CAPABILITY = (8, 9)
 
 
@@ -130,3 +133,5 @@ def apply(cfg: Any, device: torch.device, plan: Any, stack: ExitStack) -> None:
     plan.notes["fp8"] = {"recipe": cfg.precision.recipe, "library": "torchao.float8.convert_to_float8_training",
                          "converted": len(layers.convert), "kept_in_bf16": layers.kept,
                          "pad_inner_dim": layers.pad_inner_dim}
+    kept = "; ".join(f"{name} ({why})" for name, why in layers.kept.items()) or "none"
+    log.info(f"precision=fp8 ({cfg.precision.recipe}): {len(layers.convert)} Linear layers in FP8; kept in bf16: {kept}")

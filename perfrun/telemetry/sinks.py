@@ -146,11 +146,21 @@ def gpu_parts(sample: dict[str, Any] | None, ranks: list[dict[str, Any]] | None 
     return parts
 
 
+def data_figure(r: dict[str, Any]) -> str:
+    """What the data cost the step: on CUDA with host data, the share of the step the GPU sat
+    starved for its next batch (device events); elsewhere the host's wait for the DataLoader,
+    which is not a GPU's idle time."""
+    if r.get("gpu_starved_pct") is not None:
+        return f"starved {r['gpu_starved_pct']:.1f}%"
+    wait = r.get("host_data_wait_pct", r.get("data_wait_pct"))
+    return "host wait n/a" if wait is None else f"host wait {wait:.1f}%"
+
+
 def step_line(r: dict[str, Any], width: int, gpu: list[str] | None = None) -> str:
     """The log point as one line of at most ``width`` characters: step, loss, tokens/s,
     MFU (or the data wait where MFU is n/a) and memory always; then, while they fit, the
     GPU's figures, the data wait, the step time, the learning rate, the gradient norm."""
-    wait = f"data-wait {r['data_wait_pct']:.1f}%"
+    wait = data_figure(r)
     parts = [f"step {r['step']}/{r['max_steps']}", f"loss {r['loss']:.3f}", f"{si(r['tokens_per_s'])} tok/s",
              f"MFU {percent(100 * r['mfu'])}" if r.get("mfu") is not None else wait]
     if r.get("peak_mem_mib") is not None:

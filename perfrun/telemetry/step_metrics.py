@@ -23,6 +23,7 @@ import torch
 
 from perfrun import distributed
 from perfrun.summary import RunSummary
+from perfrun.telemetry.contention import gpu_starved_pct
 from perfrun.telemetry.monitor import Monitor
 from perfrun.telemetry.sinks import ConsoleReporter, RecordSink
 
@@ -209,9 +210,13 @@ class StepMetrics:
 
     def __init__(self, device: torch.device, throughput: Throughput, config: MetricsConfig, sink: RecordSink,
                  reporter: ConsoleReporter, *, lr: Callable[[], float], loss_scale: Callable[[], float | None],
-                 compiled: bool) -> None:
+                 compiled: bool, gpu_waits: Callable[[], list[float] | None] = lambda: None,
+                 handoffs_per_step: int = 1) -> None:
         self.throughput, self.config, self.sink, self.reporter = throughput, config, sink, reporter
         self.lr, self.loss_scale, self.compiled = lr, loss_scale, compiled
+        # the device's wait for each prefetched batch copy, in ms (None: no copy prefetched)
+        self.gpu_waits, self.handoffs_per_step = gpu_waits, handoffs_per_step
+        self.gpu_wait_ms: list[float] | None = None
         self.timer, self.phases, self.memory = StepTimer(device), PhaseTimer(device), MemoryTracker(device)
         self.monitor: Monitor | None = None
         self.host_wall: list[float] = []  # per step of this process, index = step - start_step - 1
@@ -286,7 +291,8 @@ class StepMetrics:
             "lr": self.lr(), "grad_norm": self.grad_norm.item(),
             "step_time_ms": 1000 * interval_time / n, "tokens_per_s": tokens_per_s,
             "mfu": self.throughput.mfu(tokens_per_s),
-            "data_wait_pct": 100 * sum(self.data_wait[first:done]) / wall if wall > 0 else 0.0,
+            "host_data_wait_pct": 100 * sum(self.data_wait[first:done]) / wall if wall > 0 else 0.0,
+            "gpu_starved_pct": self._gpu_starved_pct(first, done, interval_time),
             "peak_mem_mib": self.memory.peak_mib(), "interval_steps": n, "interval_tokens": interval_tokens,
             "interval_s": interval_time, "tokens": self.tokens, "elapsed_s": time.perf_counter() - self._loop_t0,
         }
@@ -297,6 +303,18 @@ class StepMetrics:
         self.reporter.train(record)
         self.loss_sum.zero_()
         self.interval_start = done
+
+    def _gpu_starved_pct(self, first: int, done: int, seconds: float) -> float | None:
+        """Percent of steps ``first..done-1``'s device time spent waiting for batch copies
+        (read after the timer's flush: the device has passed those steps); None without
+        a prefetching copy (the CPU, data drawn on the device)."""
+        new = self.gpu_waits()
+        if new is not None:
+            self.gpu_wait_ms = (self.gpu_wait_ms or []) + new
+        if self.gpu_wait_ms is None or seconds <= 0:
+            return None
+        k = self.handoffs_per_step
+        return gpu_starved_pct(self.gpu_wait_ms[first * k:done * k], [1000 * seconds])
 
     @contextmanager
     def paused(self) -> Iterator[None]:
@@ -340,8 +358,9 @@ class StepMetrics:
             "tokens_per_s_per_rank_median": tokens_per_s / throughput.world if tokens_per_s else None,
             "world_size": throughput.world, "mfu_median": throughput.mfu(tokens_per_s) if tokens_per_s else None,
             "peak_mem_mib": self.memory.peak_mib(), "peak_mem_source": self.memory.source,
-            "data_wait_pct": (100 * sum(self.data_wait[warmup:]) / sum(steady_wall)
+            "host_data_wait_pct": (100 * sum(self.data_wait[warmup:]) / sum(steady_wall)
                               if steady_wall and sum(steady_wall) > 0 else None),
+            "gpu_starved_pct": self._gpu_starved_pct(warmup, len(durations), sum(steady)),
             "compile_s_estimate": (self.first_step_s - med) if (self.compiled and self.first_step_s and med) else None,
             "final_train_loss": self.last_train_loss, "final_val_loss": self.last_val_loss,
             "step_breakdown": self.phases.summary(warmup),

@@ -1,0 +1,178 @@
+#!/usr/bin/env python3
+"""The speed knobs against the plain nanoGPT-recipe loop, alternating, in one process.
+
+    python scripts/bench_speed.py [--steps N] [--warmup W] [--repeats R] [--json FILE]
+                                  [--all-mode MODE] [hydra overrides ...]
+
+The overrides set the base (e.g. ``model=gpt2 data=synthetic dataloader.batch_size=16
+device=cuda precision=bf16 compile=true``). Each repeat runs, in turn, the plain loop of
+scripts/bench_train.py (kept as it is: no new knob reaches it) and perfrun with:
+
+  host input       dataloader.device_input=false: each batch copied when the step takes it
+  perfrun          the base: on CUDA, batches copied ahead (host data) or drawn on the device
+  loss=chunked     the chunked linear cross-entropy
+  precision=fp8    torchao float8 (GPUs of compute capability 8.9 and up)
+  compile modes    max-autotune-no-cudagraphs, reduce-overhead, max-autotune (compile=true)
+  all (bf16)       every knob above that runs here but fp8, compile mode --all-mode
+  all              the same with fp8
+
+A variant that cannot run here is skipped with the reason. Printed per variant: the
+median over repeats of the mean tokens/s after the warm-up, its ratio to the plain loop,
+the bf16-equivalent MFU (nanoGPT's FLOPs per token x tokens/s over the H100's 989.5 TFLOPS
+dense bf16, whatever the device and dtype) and the peak memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_train import plain_loop  # noqa: E402
+from hydra import compose, initialize_config_dir  # noqa: E402
+
+from perfrun.config import config_dir, register_configs  # noqa: E402
+from perfrun.devices import resolve_device  # noqa: E402
+from perfrun.inference.int8 import torchao_available  # noqa: E402
+from perfrun.knobs import fp8  # noqa: E402
+from perfrun.knobs.compilation import CUDA_GRAPH_MODES  # noqa: E402
+from perfrun.telemetry.step_metrics import median  # noqa: E402
+from perfrun.train import run  # noqa: E402
+
+H100_BF16_TFLOPS = 989.5  # dense bf16, the datasheet figure nanoGPT's MFU divides by
+COMPILE_MODES = ("max-autotune-no-cudagraphs", "reduce-overhead", "max-autotune")
+
+
+def compose_cfg(overrides: list[str]) -> Any:
+    register_configs()
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+        return compose("train", overrides=overrides)
+
+
+def skip_reason(knobs: list[str], base: Any, device: torch.device) -> str | None:
+    """Why this device (or the base) cannot run the variant's knobs; None where it can."""
+    if "dataloader.device_input=false" in knobs and device.type != "cuda":
+        return "the CPU has no copy to overlap: both input paths are the same loop there"
+    if "precision=fp8" in knobs:
+        cc = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+        gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+        reason = fp8.refusal(device.type, cc, device.type == "cuda" and torchao_available(), gpu)
+        if reason:
+            return reason
+    mode = next((k.split("=", 1)[1] for k in knobs if k.startswith("compile_options.mode=")), "default")
+    if mode != "default" and not base.compile:
+        return "compile modes need compile=true in the base"
+    if mode in CUDA_GRAPH_MODES and device.type != "cuda":
+        return f"{mode} replays CUDA graphs; the device is {device.type}"
+    if mode == "max-autotune-no-cudagraphs" and device.type != "cuda" and not shutil.which("c++"):
+        return "no C++ compiler for inductor on the CPU"
+    return None
+
+
+def variants(all_mode: str) -> list[tuple[str, list[str]]]:
+    every = ["loss=chunked", f"compile_options.mode={all_mode}"]
+    return [
+        ("host input", ["dataloader.device_input=false"]),
+        ("perfrun", []),
+        ("loss=chunked", ["loss=chunked"]),
+        ("precision=fp8", ["precision=fp8"]),
+        *((f"mode={m}", [f"compile_options.mode={m}"]) for m in COMPILE_MODES),
+        ("all (bf16)", every),
+        ("all", [*every, "precision=fp8"]),
+    ]
+
+
+def runnable(knobs: list[str], base: Any, device: torch.device) -> list[str]:
+    """For the 'all' rows: the knobs that run here (a compile mode that cannot falls back to
+    default, and the row says which knobs it has)."""
+    return [k for k in knobs if skip_reason([k], base, device) is None]
+
+
+def perfrun_row(overrides: list[str]) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as d:
+        s = run(compose_cfg(overrides), Path(d))
+    return {"tokens_per_s": s["tokens_per_s_mean"], "peak_mem_mib": s["peak_mem_mib"],
+            "flops_per_token": s["flops_per_token"], "gpu_starved_pct": s.get("gpu_starved_pct"),
+            "device": s["environment"]["device_name"], "fp8_kept": (s["knobs"].get("fp8") or {}).get("kept_in_bf16")}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--warmup", type=int, default=15)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--all-mode", default="max-autotune-no-cudagraphs", choices=("default", *COMPILE_MODES),
+                    help="the compile mode of the 'all' rows")
+    ap.add_argument("--json", type=Path, help="also write the figures here")
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args()
+
+    common = [f"max_steps={args.steps}", f"timing_warmup_steps={args.warmup}", "progress=off",
+              f"eval_every={args.steps}", "eval_batches=1", "checkpoint.at_end=false", "monitor.every_n_steps=0",
+              *args.overrides]
+    base = compose_cfg(common)
+    device = resolve_device(base.device)
+    plan: list[tuple[str, list[str]]] = []
+    skipped: dict[str, str] = {}
+    for name, knobs in variants(args.all_mode):
+        if name == "all" and skip_reason(["precision=fp8"], base, device):
+            skipped[name] = skip_reason(["precision=fp8"], base, device) or ""
+            continue
+        if name.startswith("all"):
+            knobs = runnable(knobs, base, device)
+            print(f"{name}: {' '.join(knobs) or '(the base)'}")
+        reason = skip_reason(knobs, base, device)
+        if reason:
+            skipped[name] = reason
+        else:
+            plan.append((name, knobs))
+
+    rows: list[dict[str, Any]] = []
+    for r in range(args.repeats):  # alternating, so drift on the machine hits every variant alike
+        rows.append({"repeat": r, "variant": "plain (nanoGPT recipe)", **plain_loop(base, args.warmup)})
+        for name, knobs in plan:
+            rows.append({"repeat": r, "variant": name, **perfrun_row([*common, *knobs])})
+    result = report(rows, base, skipped, args)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2, default=str))
+    return 0
+
+
+def report(rows: list[dict[str, Any]], base: Any, skipped: dict[str, str], args: argparse.Namespace) -> dict[str, Any]:
+    """Print the table (medians over repeats) and return it with every row."""
+    fpt = next(r["flops_per_token"] for r in rows if "flops_per_token" in r)
+    names = list(dict.fromkeys(r["variant"] for r in rows))
+    table = {}
+    for name in names:
+        mine = [r for r in rows if r["variant"] == name]
+        tps = median([r["tokens_per_s"] for r in mine])
+        table[name] = {"tokens_per_s": tps, "peak_mem_mib": mine[0].get("peak_mem_mib"),
+                       "gpu_starved_pct": mine[-1].get("gpu_starved_pct"), "fp8_kept": mine[0].get("fp8_kept")}
+    plain = table[names[0]]["tokens_per_s"]
+    device = next((r["device"] for r in rows if "device" in r), "?")
+    print(f"base: {' '.join(args.overrides) or '(defaults)'}; steps {args.steps}, warm-up {args.warmup}, "
+          f"repeats {args.repeats}; device {device}; torch {torch.__version__}")
+    print(f"{'variant':<32} {'tokens/s':>11} {'x plain':>8} {'bf16-eq MFU %':>13} {'peak MiB':>9}")
+    for name, row in table.items():
+        row["ratio"] = row["tokens_per_s"] / plain
+        row["mfu_bf16_equivalent"] = fpt * row["tokens_per_s"] / (H100_BF16_TFLOPS * 1e12)
+        mem = row["peak_mem_mib"]
+        print(f"{name:<32} {row['tokens_per_s']:>11,.0f} {row['ratio']:>8.3f} "
+              f"{100 * row['mfu_bf16_equivalent']:>13.3f} {'n/a' if mem is None else format(mem, ',.0f'):>9}")
+    for name, why in skipped.items():
+        print(f"skipped {name}: {why}")
+    return {"base": args.overrides, "device": device, "torch": torch.__version__, "flops_per_token": fpt,
+            "h100_bf16_tflops": H100_BF16_TFLOPS, "table": table, "skipped": skipped, "rows": rows}
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
