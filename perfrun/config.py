@@ -343,6 +343,20 @@ def _check_batch_size(dl: Any) -> None:
 
 def validate(cfg: Any) -> None:
     """Check what the schema's types cannot; raise ConfigError with what, why and the fix."""
+    _check_keys_and_choices(cfg)
+    _check_minimums(cfg)
+    _check_dataloader(cfg.dataloader)
+    _check_model_and_data(cfg.model, cfg.data)
+    _check_optim(cfg.optim)
+    if cfg.checkpointing.name == "selective" and cfg.checkpointing.every_k < 1:
+        raise ConfigError(
+            "checkpointing=selective needs checkpointing.every_k>=1 (checkpoint every k-th block)"
+        )
+    check_distributed(cfg)
+    _check_mfu_peak(str(cfg.mfu.peak))
+
+
+def _check_keys_and_choices(cfg: Any) -> None:
     from omegaconf import OmegaConf
 
     if OmegaConf.is_config(cfg):
@@ -359,36 +373,28 @@ def validate(cfg: Any) -> None:
                 f"{key}={value} is not an option; choose one of {', '.join(allowed)}"
             )
 
-    def at_least(key: str, low: int, why: str = "") -> None:
+
+_MINIMUMS = (  # key, lowest value, why (said in the error)
+    ("dataloader.num_workers", 0, ""), ("accumulation.steps", 1, ""),
+    ("loss.chunk_size", 1, " (tokens per chunk of loss=chunked)"),
+    ("max_steps", 1, " (the number of optimizer steps to train)"), ("log_every", 1, ""), ("eval_every", 0, ""),
+    ("eval_batches", 1, ""), ("timing_warmup_steps", 0, ""), ("model.n_layer", 1, ""), ("model.n_head", 1, ""),
+    ("model.n_embd", 1, ""), ("model.block_size", 1, ""), ("monitor.every_n_steps", 0, ""),
+    ("optim.warmup_steps", 0, ""), ("checkpointing.every_k", 0, ""), ("checkpoint.every_n_steps", 0, ""),
+    ("checkpoint.keep_last", 1, ""), ("guard.max_bad_steps", 1, ""), ("profiler.start_step", 0, ""),
+    ("profiler.warmup", 0, ""), ("profiler.active", 1, ""), ("profiler.snapshot_entries", 1, ""),
+)
+
+
+def _check_minimums(cfg: Any) -> None:
+    _check_batch_size(cfg.dataloader)
+    for key, low, why in _MINIMUMS:
         value = _get(cfg, key)
         if value < low:
             raise ConfigError(f"{key}={value} must be >= {low}{why}; set {key}={max(low, 1)} or more")
 
-    _check_batch_size(cfg.dataloader)
-    at_least("dataloader.num_workers", 0)
-    at_least("accumulation.steps", 1)
-    at_least("loss.chunk_size", 1, " (tokens per chunk of loss=chunked)")
-    at_least("max_steps", 1, " (the number of optimizer steps to train)")
-    at_least("log_every", 1)
-    at_least("eval_every", 0)
-    at_least("eval_batches", 1)
-    at_least("timing_warmup_steps", 0)
-    at_least("model.n_layer", 1)
-    at_least("model.n_head", 1)
-    at_least("model.n_embd", 1)
-    at_least("model.block_size", 1)
-    at_least("monitor.every_n_steps", 0)
-    at_least("optim.warmup_steps", 0)
-    at_least("checkpointing.every_k", 0)
-    at_least("checkpoint.every_n_steps", 0)
-    at_least("checkpoint.keep_last", 1)
-    at_least("guard.max_bad_steps", 1)
-    at_least("profiler.start_step", 0)
-    at_least("profiler.warmup", 0)
-    at_least("profiler.active", 1)
-    at_least("profiler.snapshot_entries", 1)
 
-    dl = cfg.dataloader
+def _check_dataloader(dl: Any) -> None:
     if dl.prefetch_factor is not None:
         if dl.num_workers == 0:
             raise ConfigError(
@@ -405,7 +411,8 @@ def validate(cfg: Any) -> None:
             "set dataloader.num_workers>=1 or dataloader.persistent_workers=false"
         )
 
-    m = cfg.model
+
+def _check_model_and_data(m: Any, data: Any) -> None:
     if m.n_embd % m.n_head != 0:
         raise ConfigError(
             f"model.n_embd={m.n_embd} is not divisible by model.n_head={m.n_head}; "
@@ -414,7 +421,7 @@ def validate(cfg: Any) -> None:
     if not 0.0 <= m.dropout < 1.0:
         raise ConfigError(f"model.dropout={m.dropout} must be in [0, 1); set model.dropout=0.0")
 
-    seq_len = cfg.data.seq_len
+    seq_len = data.seq_len
     if seq_len is not None:
         if seq_len < 1:
             raise ConfigError(f"data.seq_len={seq_len} must be >= 1; set data.seq_len=null for the model's block_size")
@@ -424,17 +431,18 @@ def validate(cfg: Any) -> None:
                 f"(model={m.name} has {m.block_size} positions); set data.seq_len<={m.block_size} "
                 f"or model.block_size={seq_len}"
             )
-    if not 0.0 < cfg.data.val_fraction < 1.0:
-        raise ConfigError(f"data.val_fraction={cfg.data.val_fraction} must be in (0, 1); set it to 0.1")
-    if cfg.data.vocab_size is not None and cfg.data.vocab_size < 2:
-        raise ConfigError(f"data.vocab_size={cfg.data.vocab_size} must be >= 2")
-    if cfg.data.name in ("text", "memmap") and not cfg.data.path:
+    if not 0.0 < data.val_fraction < 1.0:
+        raise ConfigError(f"data.val_fraction={data.val_fraction} must be in (0, 1); set it to 0.1")
+    if data.vocab_size is not None and data.vocab_size < 2:
+        raise ConfigError(f"data.vocab_size={data.vocab_size} must be >= 2")
+    if data.name in ("text", "memmap") and not data.path:
         raise ConfigError(
-            f"data={cfg.data.name} needs a file or folder; add data.path=/path/to/your/"
-            + ("text" if cfg.data.name == "text" else "train.bin")
+            f"data={data.name} needs a file or folder; add data.path=/path/to/your/"
+            + ("text" if data.name == "text" else "train.bin")
         )
 
-    o = cfg.optim
+
+def _check_optim(o: Any) -> None:
     for key in ("lr", "min_lr_ratio", "weight_decay", "beta1", "beta2", "eps", "grad_clip"):
         value = getattr(o, key)
         if not math.isfinite(value) or value < 0:
@@ -444,14 +452,8 @@ def validate(cfg: Any) -> None:
     if not (0 <= o.beta1 < 1 and 0 <= o.beta2 < 1):
         raise ConfigError(f"optim.beta1={o.beta1} and optim.beta2={o.beta2} must be in [0, 1)")
 
-    if cfg.checkpointing.name == "selective" and cfg.checkpointing.every_k < 1:
-        raise ConfigError(
-            "checkpointing=selective needs checkpointing.every_k>=1 (checkpoint every k-th block)"
-        )
 
-    check_distributed(cfg)
-
-    peak = str(cfg.mfu.peak)
+def _check_mfu_peak(peak: str) -> None:
     if peak not in ("datasheet", "measured"):
         try:
             ok = float(peak) > 0

@@ -104,3 +104,12 @@ def test_the_training_loop_fits_on_one_screen() -> None:
     tree = ast.parse((PACKAGE / "train.py").read_text())
     loop = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "train_loop")
     assert loop.end_lineno - loop.lineno + 1 <= 80
+
+
+def test_no_function_over_100_lines() -> None:
+    long = []
+    for name, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 100:
+                long.append(f"{name}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
+    assert long == []
