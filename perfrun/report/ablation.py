@@ -38,7 +38,8 @@ KNOBS_OFF_IN_A_BASELINE = ("precision", "compile", "checkpointing", "cudnn_bench
 
 
 def train_losses(job: Path) -> dict[int, float]:
-    """step -> train loss from metrics.jsonl (the last record of a step wins, as after a resume)."""
+    """step -> train loss from metrics.jsonl. A ``start`` record (a resume) drops the steps
+    after the one it continues from, which are trained again; a step's last record wins."""
     curve: dict[int, float] = {}
     try:
         lines = (job / METRICS).read_text().splitlines()
@@ -49,7 +50,9 @@ def train_losses(job: Path) -> dict[int, float]:
             r = json.loads(line)
         except ValueError:
             continue  # a line cut by a crash
-        if isinstance(r, dict) and r.get("kind") == "train" and isinstance(r.get("loss"), (int, float)):
+        if isinstance(r, dict) and r.get("kind") == "start" and isinstance(r.get("step"), int):
+            curve = {s: v for s, v in curve.items() if s <= r["step"]}
+        elif isinstance(r, dict) and r.get("kind") == "train" and isinstance(r.get("loss"), (int, float)):
             curve[int(r["step"])] = float(r["loss"])
     return curve
 
