@@ -24,7 +24,7 @@ from omegaconf import OmegaConf
 
 from perfrun import distributed
 from perfrun.atomic import write_json
-from perfrun.checkpoint_files import CheckpointWriteError
+from perfrun.checkpoint_files import CheckpointWriteError, check_writable
 from perfrun.checkpointer import Checkpointer, Parts, Start, checkpoint_folder
 from perfrun.config import ConfigError, validate
 from perfrun.console import first_line
@@ -289,16 +289,22 @@ def _hold_folders(cfg: Any, run_dir: Path | None, stack: ExitStack) -> None:
     if distributed.rank() == 0:
         try:
             if run_dir is not None:
-                stack.enter_context(locked(run_dir, "hydra.run.dir"))
+                _lock(run_dir, "hydra.run.dir", stack)
             if cfg.checkpoint.dir:
-                stack.enter_context(locked(Path(cfg.checkpoint.dir), "checkpoint.dir"))
+                check_writable(Path(cfg.checkpoint.dir))
+                _lock(Path(cfg.checkpoint.dir), "checkpoint.dir", stack)
         except ConfigError as e:
             problem = str(e)
-        except OSError as e:
-            problem = f"cannot lock {e.filename}: {e.strerror}; choose a writable hydra.run.dir or checkpoint.dir"
     problem = distributed.from_rank0(problem)
     if problem is not None:
         raise ConfigError(problem)
+
+
+def _lock(folder: Path, what: str, stack: ExitStack) -> None:
+    try:
+        stack.enter_context(locked(folder, what))
+    except OSError as e:
+        raise ConfigError(f"{what}={folder} is not writable ({e.strerror or e}); set {what} to a writable folder") from None
 
 
 def _mark_start(summary: RunSummary, sink: RecordSink, record: RunRecord, start: Start) -> None:
