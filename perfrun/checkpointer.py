@@ -29,6 +29,7 @@ from perfrun.console import first_line
 from perfrun.guards import NonFiniteGuard
 from perfrun.knobs import Plan
 from perfrun.resume_search import RunSearch, find_run
+from perfrun.run_lock import remove_temp_files
 from perfrun.step import BatchStream
 from perfrun.summary import RunSummary
 from perfrun.telemetry.sinks import RecordSink
@@ -88,6 +89,7 @@ class Checkpointer:
         self.time_s = 0.0
         if folder is not None and distributed.rank() == 0:
             checkpoint_files.check_writable(folder)  # fail at setup, not after hours of training
+            remove_temp_files(folder)  # a save killed mid-write; the job's lock keeps others out
 
     # -- saving ------------------------------------------------------------------------
 

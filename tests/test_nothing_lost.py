@@ -27,9 +27,10 @@ SMALL = ["model.n_layer=1", "model.n_head=2", "model.n_embd=32", "model.block_si
 
 
 def train(*args: str) -> int:
-    """``perfrun train SMALL args`` in this process: its exit code."""
+    """``perfrun train [flags] SMALL args`` in this process: its exit code."""
+    flags = [a for a in args if a.startswith("-")]
     try:
-        return cli_main(["train", *SMALL, *args])
+        return cli_main(["train", *flags, *SMALL, *(a for a in args if a not in flags)])
     except SystemExit as e:  # Hydra's app exits through SystemExit
         return int(e.code or 0)
 
@@ -178,7 +179,7 @@ def test_resume_auto_in_a_sweep_continues_each_job_of_the_sweep_before(tmp_path:
     for job in ("0", "1"):
         s = summary(second / job)
         assert s["status"] == "completed" and s["resumed_from_step"] == 2 and s["steps"] == 4
-        assert Path(s["resumed_from"]).parent.parent == (first / job).absolute()
+        assert Path(s["resumed_from"]).absolute().parent.parent == first / job
 
 
 # -- 4. one run per run dir ---------------------------------------------------------------------

@@ -96,7 +96,7 @@ def test_unwritable_checkpoint_dir_fails_before_training(tmp_path: Path) -> None
     (tmp_path / "a-file").write_text("x")
     with pytest.raises(ConfigError, match="checkpoint.dir=.*a-file/ck is not writable"):
         run(make_cfg("max_steps=2", f"checkpoint.dir={tmp_path / 'a-file' / 'ck'}"), tmp_path / "run")
-    assert not (tmp_path / "run" / "metrics.jsonl").read_text()
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # refused before any record: not even the file
 
 
 def test_resume_refuses_another_model_shape(tmp_path: Path) -> None:
