@@ -118,11 +118,25 @@ def undone_if_refused(run_dir: Path) -> Iterator[None]:
     finally:
         after = summary.stat().st_mtime_ns if summary.is_file() else None
         if after == before:
-            for p, data in kept.items():
-                atomic_write(p, data)
-            if holder(run_dir) is None:
-                for p, size in logs.items():
-                    os.truncate(p, size)
+            _put_back(run_dir, kept, logs)
+
+
+def _put_back(run_dir: Path, kept: dict[Path, bytes], logs: dict[Path, int]) -> None:
+    """The Hydra files and logs as they were: new ones removed, the others restored."""
+    hydra = run_dir / ".hydra"
+    for p in hydra.glob("*.yaml"):
+        if p not in kept:
+            p.unlink()
+    for p, data in kept.items():
+        atomic_write(p, data)
+    if hydra.is_dir() and not any(hydra.iterdir()):
+        hydra.rmdir()
+    if holder(run_dir) is None:  # else the other job is still writing its log
+        for p in run_dir.glob("*.log"):
+            if p in logs:
+                os.truncate(p, logs[p])
+            else:
+                p.unlink()
 
 
 class RunRecord:

@@ -33,7 +33,9 @@ def main() -> int:
         d = Path(tmp)
         os.chdir(d)
         cli_main(["train", *SMALL, "model.n_embd=64", "hydra.run.dir=source", "progress=off"])
-        make_fixtures(d, checkpoint.list_checkpoints(d / "source" / "checkpoints")[-1])
+        cli_main(["train", *SMALL, "hydra.run.dir=small", "progress=off"])
+        make_fixtures(d, checkpoint.list_checkpoints(d / "source" / "checkpoints")[-1],
+                      checkpoint.list_checkpoints(d / "small" / "checkpoints")[-1])
         for case in CASES:
             given = [a.format(d=d) for a in case.args]
             argv = [given[0], *(SMALL if case.small else []), *given[1:]]

@@ -186,7 +186,9 @@ def _digest(root: Path) -> dict[str, str]:
 def fixtures(tmp_path_factory: pytest.TempPathFactory) -> Path:
     d = tmp_path_factory.mktemp("bad-inputs")
     run(make_cfg("max_steps=1", "model.n_embd=64"), d / "source")
-    make_fixtures(d, checkpoint_files.list_checkpoints(d / "source" / "checkpoints")[-1])
+    run(make_cfg(*SMALL), d / "small")
+    make_fixtures(d, checkpoint_files.list_checkpoints(d / "source" / "checkpoints")[-1],
+                  checkpoint_files.list_checkpoints(d / "small" / "checkpoints")[-1])
     return d
 
 
