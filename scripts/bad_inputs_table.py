@@ -68,7 +68,10 @@ def main() -> int:
         "a full disk during a checkpoint save (`test_full_disk_during_save_keeps_the_previous_checkpoint`),",
         "fp16 on a device without it (`test_fp16_where_unsupported_is_refused`), `compile=true`",
         "without a C++ compiler (`test_compile_without_a_compiler_is_refused`), and out of memory",
-        "(`test_out_of_memory_becomes_advice`).",
+        "(`test_out_of_memory_becomes_advice`). In `tests/test_nothing_lost.py`: a real full disk (a 2 MiB",
+        "tmpfs) as checkpoint.dir, as hydra.run.dir and as an export target, a second job in a run dir",
+        "that another holds, an unexpected exception in a job and in a sweep's job, and a refused",
+        "command on a completed run.",
         "",
     ]
     args.out.parent.mkdir(parents=True, exist_ok=True)

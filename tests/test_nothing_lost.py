@@ -11,7 +11,6 @@ import shlex
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,7 @@ from perfrun import checkpoint_files
 from perfrun.cli import main as cli_main
 from perfrun.report.ablation import train_losses
 
-from conftest import REPO
+from conftest import REPO, start_train, wait_for
 
 SMALL = ["model.n_layer=1", "model.n_head=2", "model.n_embd=32", "model.block_size=32", "dataloader.batch_size=2",
          "eval_batches=1", "eval_every=0", "monitor.every_n_steps=0", "device=cpu", "progress=off", "log_every=1"]
@@ -136,23 +135,9 @@ def test_resume_auto_with_no_run_of_this_configuration_starts_fresh(tmp_path: Pa
     assert summary(tmp_path / "outputs" / "fresh")["resumed_from"] is None
 
 
-def _start(cwd: Path, *args: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen([sys.executable, "-m", "perfrun", "train", *args], cwd=cwd, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def _wait_for(predicate, timeout: float = 120) -> None:
-    end = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > end:
-            raise TimeoutError
-        time.sleep(0.01)
-
-
 def test_the_hint_printed_at_a_stop_continues_the_run_when_pasted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    p = _start(tmp_path, *SMALL, "max_steps=100000")
-    _wait_for(lambda: any(f.stat().st_size > 0 for f in tmp_path.rglob("metrics.jsonl")))
+    p = start_train(tmp_path, *SMALL, "max_steps=100000")
+    wait_for(lambda: any(f.stat().st_size > 0 for f in tmp_path.rglob("metrics.jsonl")))
     p.send_signal(signal.SIGINT)
     _, err = p.communicate(timeout=60)
     assert p.returncode == 130, err
@@ -300,7 +285,7 @@ def test_a_sweep_whose_job_dies_still_writes_its_summary(tmp_path: Path, monkeyp
     assert summary(tmp_path / "sweep" / "1")["status"] == "failed"
 
 
-def test_temp_files_of_a_killed_save_are_removed_at_the_next_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_temp_files_of_a_killed_save_are_removed_at_the_nextstart_train(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     assert train("max_steps=2", "hydra.run.dir=run") == 0
     left = [tmp_path / "run" / "checkpoints" / ".step_0000003.pt.a1b2c3d4.tmp", tmp_path / "run" / ".summary.json.zz9_yy8x.tmp"]
