@@ -284,6 +284,7 @@ def _loading(path: Path, part: str) -> Iterator[None]:
         raise
     except Exception as e:  # noqa: BLE001 - a damaged or foreign state fails in as many ways as torch has
         raise ConfigError(
-            f"resume={path}: its {part} cannot be loaded into this run ({type(e).__name__}: {first_line(e, 120)}); "
+            f"resume={path}: its {part} cannot be loaded into this run ({type(e).__name__}: "
+            f"{first_line(' '.join(str(e).split()), 160)}); "
             "the checkpoint is damaged or was made by another program: pick another checkpoint or start without resume"
         ) from None
