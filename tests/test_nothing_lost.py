@@ -17,7 +17,7 @@ import pytest
 
 from perfrun import checkpoint_files
 from perfrun.cli import main as cli_main
-from perfrun.report.ablation import train_losses
+from perfrun.report.metrics_file import train_records
 
 from conftest import REPO, start_train, wait_for
 
@@ -85,7 +85,7 @@ def test_a_resume_keeps_the_history_and_report_drops_redone_steps(tmp_path: Path
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2, 3, 4, 5, 6, 4, 5, 6]
     assert [r for r in records if r["kind"] == "start"] == [{"kind": "start", "step": 3, "resumed_from": str(third)}]
-    curve = train_losses(run)
+    curve = {r["step"]: r["loss"] for r in train_records(run)}
     after_resume = [r["loss"] for r in records if r["kind"] == "train"][-3:]
     assert sorted(curve) == [1, 2, 3, 4, 5, 6] and [curve[s] for s in (4, 5, 6)] == after_resume
 
@@ -96,7 +96,7 @@ def test_report_drops_rows_past_the_step_a_resume_continues_from(tmp_path: Path)
     rows = [{"kind": "train", "step": s, "loss": 10.0 - s} for s in (1, 2, 3, 4, 5)]
     rows += [{"kind": "start", "step": 3, "resumed_from": "c"}, {"kind": "train", "step": 4, "loss": 0.5}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert train_losses(tmp_path) == {1: 9.0, 2: 8.0, 3: 7.0, 4: 0.5}
+    assert [(r["step"], r["loss"]) for r in train_records(tmp_path)] == [(1, 9.0), (2, 8.0), (3, 7.0), (4, 0.5)]
 
 
 # -- 3. resume=auto continues the run you stopped -----------------------------------------------

@@ -22,14 +22,13 @@ the loss. On a tiny CPU model the same knobs stayed within 0.01 %.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
 
+from perfrun.report.metrics_file import train_records
 from perfrun.report.rows import Report, Row, finite, override_key
 
-METRICS = "metrics.jsonl"
 ABLATION_KEY = "ablation"
 BASELINE = "baseline"
 DEFAULT_LOSS_TOL = 0.02
@@ -38,23 +37,8 @@ KNOBS_OFF_IN_A_BASELINE = ("precision", "compile", "checkpointing", "cudnn_bench
 
 
 def train_losses(job: Path) -> dict[int, float]:
-    """step -> train loss from metrics.jsonl. A ``start`` record (a resume) drops the steps
-    after the one it continues from, which are trained again; a step's last record wins."""
-    curve: dict[int, float] = {}
-    try:
-        lines = (job / METRICS).read_text().splitlines()
-    except OSError:
-        return curve
-    for line in lines:
-        try:
-            r = json.loads(line)
-        except ValueError:
-            continue  # a line cut by a crash
-        if isinstance(r, dict) and r.get("kind") == "start" and isinstance(r.get("step"), int):
-            curve = {s: v for s, v in curve.items() if s <= r["step"]}
-        elif isinstance(r, dict) and r.get("kind") == "train" and isinstance(r.get("loss"), (int, float)):
-            curve[int(r["step"])] = float(r["loss"])
-    return curve
+    """step -> train loss of the run that ended (:func:`perfrun.report.metrics_file.train_records`)."""
+    return {r["step"]: float(r["loss"]) for r in train_records(job) if isinstance(r.get("loss"), (int, float))}
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
