@@ -285,7 +285,7 @@ def test_a_sweep_whose_job_dies_still_writes_its_summary(tmp_path: Path, monkeyp
     assert summary(tmp_path / "sweep" / "1")["status"] == "failed"
 
 
-def test_temp_files_of_a_killed_save_are_removed_at_the_nextstart_train(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_temp_files_of_a_killed_save_are_removed_at_the_next_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     assert train("max_steps=2", "hydra.run.dir=run") == 0
     left = [tmp_path / "run" / "checkpoints" / ".step_0000003.pt.a1b2c3d4.tmp", tmp_path / "run" / ".summary.json.zz9_yy8x.tmp"]
