@@ -245,7 +245,7 @@ def run(cfg: Any, run_dir: Path | None, *, overrides: list[str] | None = None,
             if built.facts["memory_snapshot"] and main:
                 summary["memory_snapshot_path"] = dump_memory_snapshot(run_dir, "end of the job")
             del built, loop
-        _raise_unless_completed(summary, _continue_hint(summary, run_dir, search_root))
+        _raise_unless_completed(summary, _continue_hint(summary, run_dir))
         summary["status"] = "completed"
         return summary
     except (ConfigError, RunFailed) as e:
@@ -376,13 +376,11 @@ def _raise_unless_completed(summary: RunSummary, hint: str) -> None:
         raise Interrupted(signum, f"stopped by {summary['reason']}; continue with: {hint}")
 
 
-def _continue_hint(summary: RunSummary, run_dir: Path | None, search_root: Path | None) -> str:
-    """``perfrun train`` with this job's overrides and resume=auto: pasted, it finds this run
-    (by its configuration under the outputs folder, or by its run dir named in full)."""
+def _continue_hint(summary: RunSummary, run_dir: Path | None) -> str:
+    """``perfrun train`` with this job's overrides, its run dir and resume=auto: pasted as is,
+    it continues this run whatever else the outputs folder holds."""
     kept = [o for o in summary.get("overrides", []) if not o.lstrip("+~").startswith("resume=")]
-    found_by_search = run_dir is not None and search_root is not None and \
-        Path(run_dir).absolute().is_relative_to(Path(search_root).absolute())
-    if run_dir is not None and not found_by_search:
+    if run_dir is not None:
         kept.append(f"hydra.run.dir={run_dir}")
     return " ".join(["perfrun", "train", *map(shlex.quote, kept), "resume=auto"])
 

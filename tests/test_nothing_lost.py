@@ -19,7 +19,7 @@ from perfrun import checkpoint_files
 from perfrun.cli import main as cli_main
 from perfrun.report.metrics_file import train_records
 
-from conftest import REPO, start_train, wait_for
+from conftest import REPO, run_cli, start_train, wait_for
 
 SMALL = ["model.n_layer=1", "model.n_head=2", "model.n_embd=32", "model.block_size=32", "dataloader.batch_size=2",
          "eval_batches=1", "eval_every=0", "monitor.every_n_steps=0", "device=cpu", "progress=off", "log_every=1"]
@@ -145,6 +145,7 @@ def test_the_hint_printed_at_a_stop_continues_the_run_when_pasted(tmp_path: Path
     words = shlex.split(hint)
     assert words[:2] == ["perfrun", "train"] and words[-1] == "resume=auto"
     (run_dir,) = [f.parent for f in tmp_path.rglob("summary.json")]
+    assert f"hydra.run.dir={run_dir}" in words, " ".join(words)
     stopped = summary(run_dir)["steps"]
     monkeypatch.chdir(tmp_path)
     assert cli_main([*words[1:], f"max_steps={stopped + 2}"]) == 0  # as pasted, with a nearer end
@@ -165,6 +166,20 @@ def test_resume_auto_in_a_sweep_continues_each_job_of_the_sweep_before(tmp_path:
         s = summary(second / job)
         assert s["status"] == "completed" and s["resumed_from_step"] == 2 and s["steps"] == 4
         assert Path(s["resumed_from"]).absolute().parent.parent == first / job
+
+
+def test_resume_auto_with_two_ranks_continues_the_run_in_its_run_dir(tmp_path: Path) -> None:
+    """distributed=ddp nproc=2: the launcher decides once, before the ranks start, and both
+    ranks resume from the one checkpoint into the one run dir."""
+    ddp = [*SMALL, "distributed=ddp", "nproc=2"]
+    first = run_cli("train", *ddp, "max_steps=2", "hydra.run.dir=outputs/ddp", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    second = run_cli("train", *ddp, "max_steps=4", "resume=auto", cwd=tmp_path)
+    assert second.returncode == 0, second.stderr
+    assert "continuing the run in outputs/ddp from step 2" in second.stderr
+    assert [p.name for p in (tmp_path / "outputs").iterdir()] == ["ddp"]
+    s = summary(tmp_path / "outputs" / "ddp")
+    assert s["world_size"] == 2 and s["resumed_from_step"] == 2 and s["steps"] == 4
 
 
 # -- 4. one run per run dir ---------------------------------------------------------------------
