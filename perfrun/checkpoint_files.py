@@ -75,7 +75,7 @@ def save(folder: Path, step: int, state: dict[str, Any], keep_last: int) -> Path
     payload = {"format": FORMAT, "perfrun_version": __version__, "step": step, **state}
     try:
         atomic_write(final, lambda f: torch.save(payload, f))
-    except OSError as e:
+    except (OSError, RuntimeError) as e:  # torch.save's writer says a full disk as RuntimeError
         raise _write_error(folder, step, e) from None
     _prune(folder, keep_last)
     return final
@@ -102,12 +102,21 @@ def _write_error(folder: Path, step: int, e: BaseException) -> CheckpointWriteEr
     e = dcp_reason(e)
     errnos = [e.errno] if isinstance(e, OSError) else []
     why = "the disk is full" if errno.ENOSPC in errnos else (getattr(e, "strerror", None) or first_line(e, 200))
+    if isinstance(e, RuntimeError) and "write failed" in str(e):  # torch.save's writer hides the errno
+        why = f"the file could not be written ({_free(folder)} free on that disk)"
     previous = list_checkpoints(folder)
     kept = f"the previous checkpoint {previous[-1].name} is intact" if previous else "no earlier checkpoint exists"
     return CheckpointWriteError(
         f"could not save the checkpoint for step {step} in {folder}: {why}; free space or set "
         f"checkpoint.dir to a writable folder ({kept})"
     )
+
+
+def _free(folder: Path) -> str:
+    try:
+        return f"{shutil.disk_usage(folder).free / 2**20:.1f} MiB"
+    except OSError:
+        return "unknown space"
 
 
 def save_sharded(folder: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -153,7 +162,7 @@ def save_sharded(folder: Path, step: int, model: torch.nn.Module, optimizer: tor
                 partial.rename(final)
             fsync_dir(folder)
             _prune(folder, keep_last)
-        except OSError as e:
+        except (OSError, RuntimeError) as e:  # torch.save's writer says a full disk as RuntimeError
             problem = str(_write_error(folder, step, e))
     problem = distributed.from_rank0(problem)  # a barrier: no rank runs ahead of the folder
     if problem is not None:
@@ -249,10 +258,25 @@ def load(path: Path) -> dict[str, Any]:
         ) from None
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT or ("model" not in ckpt and not sharded):
         raise ConfigError(f"resume={path} is not a perfrun checkpoint (format {FORMAT}); pick a step_*.pt that perfrun wrote")
+    _check_position(ckpt, path)
     if sharded:
         safe_checkpoint.verify_sharded(path)
         ckpt["sharded_path"] = str(path)
     return ckpt
+
+
+def _check_position(ckpt: dict[str, Any], path: Path) -> None:
+    """The step and data position are whole numbers >= 0: a loop cannot start anywhere else."""
+    data = ckpt.get("data")
+    fields = {"step": ckpt.get("step")}
+    if isinstance(data, dict):
+        fields.update({f"data.{k}": data.get(k) for k in ("epoch", "consumed")})
+    else:
+        fields["data"] = data
+    bad = [f"{k}={v!r}" for k, v in fields.items() if isinstance(v, bool) or not isinstance(v, int) or v < 0]
+    if bad:
+        raise ConfigError(f"resume={path} records an impossible position ({', '.join(bad)}: whole numbers >= 0 expected); "
+                          "the checkpoint is damaged: pick another checkpoint or start without resume")
 
 
 def load_model_weights(ckpt: dict[str, Any], model: torch.nn.Module) -> None:

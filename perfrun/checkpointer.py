@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,8 +25,11 @@ import torch
 from perfrun import checkpoint_files, distributed
 from perfrun.checkpoint_files import capture_rng, restore_rng
 from perfrun.config import ConfigError
+from perfrun.console import first_line
 from perfrun.guards import NonFiniteGuard
 from perfrun.knobs import Plan
+from perfrun.resume_search import RunSearch, find_run
+from perfrun.run_lock import remove_temp_files
 from perfrun.step import BatchStream
 from perfrun.summary import RunSummary
 from perfrun.telemetry.sinks import RecordSink
@@ -74,14 +80,16 @@ class Checkpointer:
     """
 
     def __init__(self, cfg_checkpoint: Any, folder: Path | None, parts: Parts, guard: NonFiniteGuard,
-                 sink: RecordSink, *, config: dict[str, Any], seed: int, max_steps: int) -> None:
+                 sink: RecordSink, *, config: dict[str, Any], seed: int, max_steps: int,
+                 search: RunSearch | None = None) -> None:
         self.every, self.at_end, self.keep_last = cfg_checkpoint.every_n_steps, cfg_checkpoint.at_end, cfg_checkpoint.keep_last
         self.folder, self.parts, self.guard, self.sink = folder, parts, guard, sink
-        self.config, self.seed, self.max_steps = config, seed, max_steps
+        self.config, self.seed, self.max_steps, self.search = config, seed, max_steps, search
         self.saved: list[str] = []
         self.time_s = 0.0
         if folder is not None and distributed.rank() == 0:
             checkpoint_files.check_writable(folder)  # fail at setup, not after hours of training
+            remove_temp_files(folder)  # a save killed mid-write; the job's lock keeps others out
 
     # -- saving ------------------------------------------------------------------------
 
@@ -162,7 +170,13 @@ class Checkpointer:
         for warning in checkpoint_files.check_compatible(ckpt, model_shape(self.parts.plan.raw_model), self.config,
                                                          path, distributed.world_size()):
             log.warning(warning)
-        start = self._restore(ckpt, path)
+        problem = None
+        try:
+            start = self._restore(ckpt, path)
+        except ConfigError as e:
+            problem = str(e)
+        if distributed.any_rank(problem is not None):  # every rank stops, with the reason where it is known
+            raise ConfigError(problem or f"resume={path}: another rank could not load this checkpoint")
         log.info(f"resumed from {path} at step {start.step}")
         if start.step >= self.max_steps:
             raise ConfigError(f"resume={path} is at step {start.step}, already at max_steps={self.max_steps}; "
@@ -178,12 +192,23 @@ class Checkpointer:
                 if spec == "auto" and self.folder is not None:
                     checkpoint_files.recover_interrupted_saves(self.folder)  # a sharded save cut between its renames
                 found = checkpoint_files.resolve(spec, self.folder)
+                if found is None and spec == "auto" and self.search is not None:
+                    found = self._search()
             except ConfigError as e:
                 error = str(e)
         found, error = distributed.from_rank0((found, error))
         if error is not None:
             raise ConfigError(error)
         return found
+
+    def _search(self) -> Path | None:
+        """resume=auto from a folder with no checkpoint: the run of this configuration under
+        the outputs folder (a sweep's job continues the same job of an earlier sweep)."""
+        found = find_run(self.search, self.max_steps)
+        if found is None:
+            return None
+        log.info(f"resume=auto: continuing the run in {found.run_dir} from step {found.step}")
+        return found.checkpoint
 
     @staticmethod
     def _load_on_every_rank(path: Path) -> dict[str, Any]:
@@ -208,17 +233,33 @@ class Checkpointer:
         position carry over (the global batch is checked to be the same), but the random
         streams are reseeded.
         """
-        plan, optimizer = self.parts.plan, self.parts.optimizer
+        plan, optimizer, scheduler = self.parts.plan, self.parts.optimizer, self.parts.scheduler
         if ckpt.get("sharded_path"):
             checkpoint_files.load_sharded_into(Path(ckpt["sharded_path"]), plan.raw_model, optimizer)
         elif plan.sharded_state:
             raise ConfigError(f"resume={path} is a single-file checkpoint (distributed=none or ddp) and distributed=fsdp "
                               "reads sharded ones; resume it with distributed=ddp (any number of ranks), or start fresh")
         else:
-            plan.raw_model.load_state_dict(ckpt["model"])
-            optimizer.load_state_dict(ckpt["optimizer"])
-        self.parts.scheduler.load_state_dict(ckpt["scheduler"])
-        plan.load_scaler_state(ckpt.get("scaler"))
+            with _loading(path, "model weights"):
+                plan.raw_model.load_state_dict(ckpt["model"])
+            with _loading(path, "optimizer state"):
+                optimizer.load_state_dict(ckpt["optimizer"])
+        with _loading(path, "learning-rate schedule"):
+            scheduler.load_state_dict(ckpt["scheduler"])
+            if not isinstance(scheduler.last_epoch, int) or scheduler.last_epoch < 0:
+                raise ValueError(f"last_epoch {scheduler.last_epoch!r}")
+            if not all(isinstance(lr, float) for lr in scheduler.get_last_lr()):
+                raise ValueError(f"learning rates {scheduler.get_last_lr()!r}")
+            with warnings.catch_warnings():  # "use get_last_lr()": this call only tries the next step's
+                warnings.simplefilter("ignore")
+                scheduler.get_lr()  # what the next step computes: fails now rather than at step 1
+        with _loading(path, "loss scale"):
+            plan.load_scaler_state(ckpt.get("scaler"))
+        with _loading(path, "random generators"):
+            return self._restore_rng(ckpt, path)
+
+    def _restore_rng(self, ckpt: dict[str, Any], path: Path) -> Start:
+        """Each rank's random state (or a reseed on another number of ranks); the start."""
         data = ckpt["data"]
         rank, world, saved_world = distributed.rank(), distributed.world_size(), checkpoint_files.saved_world(ckpt)
         if saved_world == world:
@@ -232,3 +273,18 @@ class Checkpointer:
                         "streams (dropout) are reseeded per rank and sums run in another order, so not bit for bit")
         return Start(step=int(ckpt["step"]), epoch=int(data["epoch"]), consumed=int(data["consumed"]),
                      tokens=int(ckpt.get("tokens", 0)), checkpoint=str(path))
+
+
+@contextmanager
+def _loading(path: Path, part: str) -> Iterator[None]:
+    """A part of a checkpoint that does not load into this run: one line naming the part."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a damaged or foreign state fails in as many ways as torch has
+        raise ConfigError(
+            f"resume={path}: its {part} cannot be loaded into this run ({type(e).__name__}: "
+            f"{first_line(' '.join(str(e).split()), 160)}); "
+            "the checkpoint is damaged or was made by another program: pick another checkpoint or start without resume"
+        ) from None

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from perfrun.config import config_dir
-from perfrun.console import composition_error, error, first_line
+from perfrun.console import composition_error, error, first_line, stderr_console
 from perfrun.launch import (
     arg_value,
     dir_overrides,
@@ -32,6 +32,7 @@ from perfrun.launch import (
     validate_job,
     world_size,
 )
+from perfrun.run_lock import undone_if_refused
 
 COMMANDS = {
     "train": "train a GPT with the knobs you choose (a Hydra app: perfrun train --help)",
@@ -48,6 +49,7 @@ _MODULES = {"gpu-check": "perfrun.gpucheck", "report": "perfrun.report", "tune":
 # the other commands that are Hydra apps: Tab completes their keys as it does train's
 HYDRA_COMMANDS = ("tune", "generate", "export", "prepare")
 _FAILED_JOBS: list[str] = []
+SEARCH_ROOT_ENV = "PERFRUN_RESUME_SEARCH_ROOT"  # handed to a sweep job's ranks
 PARALLEL = ("ddp", "fsdp")  # the distributed= values that run one process per GPU
 COMPLETION_FLAGS = ("-sc", "--shell-completion")
 
@@ -209,6 +211,14 @@ def train_main(args: list[str]) -> int:
             if os.environ.get("RANK", "0") == "0":
                 error(str(e))
             return 2
+    if composed is not None and world == 1 and not _multirun(args):
+        try:  # resume=auto from a new run dir: into the run it continues, before any rank starts
+            redirect, run_dir = _continue_run(composed)
+        except ConfigError as e:
+            error(str(e))
+            return 2
+        with undone_if_refused(run_dir):  # a refused job leaves a run dir that holds a run as it was
+            return launch_ranks(args + redirect, int(nproc)) if several else _run_app(args + redirect)
     if world == 1 and several and not _multirun(args):  # a sweep's jobs start their own torchrun
         return launch_ranks(args, int(nproc))
     if world > 1:
@@ -222,6 +232,49 @@ def train_main(args: list[str]) -> int:
         finally:
             dist.destroy()
     return _run_app(args)
+
+
+def _continue_run(composed: Any) -> tuple[list[str], Path]:
+    """``resume=auto`` where the run dir holds no checkpoint (a new timestamped folder): the
+    ``hydra.run.dir`` of the run with this configuration under the outputs folder, so that
+    the job continues it and writes into it (no override when there is none); and the run
+    dir the job will write into."""
+    from omegaconf import OmegaConf
+
+    from perfrun.checkpoint_files import list_checkpoints
+    from perfrun.resume_search import RunSearch, find_run, job_config, search_root
+
+    run_dir = Path(str(composed.hydra.run.dir))
+    if composed.resume != "auto" or composed.checkpoint.dir:
+        return [], run_dir
+    root = search_root(str(OmegaConf.to_container(composed.hydra.run, resolve=False)["dir"]))
+    if root is None or list_checkpoints(run_dir / "checkpoints"):
+        return [], run_dir
+    found = find_run(RunSearch(root, job_config(composed), run_dir), int(composed.max_steps))
+    if found is None:
+        return [], run_dir
+    stderr_console().print(f"resume=auto: continuing the run in {found.run_dir} from step {found.step}", markup=False)
+    return [f"hydra.run.dir={quoted(str(found.run_dir))}"], found.run_dir
+
+
+def _search_root(args: list[str]) -> Path | None:
+    """Where ``resume=auto`` looks for the run a job continues: the fixed part of the run
+    dir's template (the sweep dir's, in a sweep), read before perfrun pins the folders."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from perfrun.resume_search import search_root
+
+    if os.environ.get(SEARCH_ROOT_ENV):  # a sweep job's ranks: the sweep's own
+        return Path(os.environ[SEARCH_ROOT_ENV])
+    try:
+        with initialize_config_dir(config_dir=config_dir(), version_base="1.3", job_name="train"):
+            hydra_cfg = compose("train", overrides=[a for a in args if a.startswith("hydra.")],
+                                return_hydra_config=True).hydra
+    except Exception:  # noqa: BLE001 - a bad hydra.* override: Hydra reports it itself
+        return None
+    node = hydra_cfg.sweep if _multirun(args) else hydra_cfg.run
+    return search_root(str(OmegaConf.to_container(node, resolve=False)["dir"]))
 
 
 def _train_json(args: list[str]) -> int:
@@ -282,7 +335,7 @@ def _run_app(args: list[str]) -> int:
             else:
                 log.info(f"run dir {shown_path(run_dir)}")
                 try:
-                    run(cfg, run_dir, overrides=overrides)
+                    run(cfg, run_dir, overrides=overrides, search_root=search_root)
                 finally:
                     log.info(f"run dir {shown_path(run_dir)}: {_contents(run_dir)}")
         except (ConfigError, RunFailed) as e:
@@ -295,6 +348,7 @@ def _run_app(args: list[str]) -> int:
             error(str(e))
             raise SystemExit(e.exit_code) from None  # a stop request ends the sweep too
 
+    search_root = _search_root(args)
     sweep_dir = None
     if _multirun(args):  # resolved once, here, so that the sweep's jobs can be read back from it
         try:
@@ -302,13 +356,17 @@ def _run_app(args: list[str]) -> int:
             args = [*args, f"hydra.sweep.dir={quoted(sweep_dir)}"]
         except Exception:  # noqa: BLE001 - a bad hydra.* override: Hydra reports it just below
             sweep_dir = None
-    saved = sys.argv
+    saved, saved_env = sys.argv, os.environ.get(SEARCH_ROOT_ENV)
     sys.argv = ["perfrun"] + args
+    if search_root is not None and _multirun(args):
+        os.environ[SEARCH_ROOT_ENV] = str(search_root)
     _FAILED_JOBS.clear()
     try:
         app()
     finally:
         sys.argv = saved
+        if saved_env is None:
+            os.environ.pop(SEARCH_ROOT_ENV, None)
     _FAILED_JOBS[:] = _failed_jobs(list(_FAILED_JOBS), sweep_dir)
     if _FAILED_JOBS:
         error(f"{len(_FAILED_JOBS)} job(s) of the sweep failed: " + "; ".join(_FAILED_JOBS))

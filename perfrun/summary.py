@@ -24,6 +24,8 @@ class RunSummary(TypedDict, total=False):
     rank: int
     world_size: int
     resumed_from: str | None
+    resumed_from_step: int | None  # the checkpoint's step this job continued from (None: from step 0)
+    history: list[dict[str, Any]]  # the summaries of the earlier jobs in this run dir, oldest first
     wall_s: float
     setup_s: float
     interrupted_by: int | None

@@ -8,8 +8,10 @@ own cadence -> summary.json. The loop names no knob: what a knob changes, the pl
 
 from __future__ import annotations
 
+import errno
 import gc
 import logging
+import shlex
 import signal
 import time
 from contextlib import ExitStack
@@ -22,9 +24,10 @@ from omegaconf import OmegaConf
 
 from perfrun import distributed
 from perfrun.atomic import write_json
-from perfrun.checkpoint_files import CheckpointWriteError
+from perfrun.checkpoint_files import CheckpointWriteError, check_writable
 from perfrun.checkpointer import Checkpointer, Parts, Start, checkpoint_folder
 from perfrun.config import ConfigError, validate
+from perfrun.console import first_line
 from perfrun.data import build_datasets, build_loader
 from perfrun.environment import device_name, environment, global_state, rank_info
 from perfrun.evaluator import Evaluator
@@ -33,6 +36,8 @@ from perfrun.knobs import Plan, apply_knobs, fp8
 from perfrun.model import GPT, GPTConfig, padded_vocab
 from perfrun.optim import build_optimizer, build_scheduler
 from perfrun.pretrained import init_from
+from perfrun.resume_search import RunSearch, job_config
+from perfrun.run_lock import RunRecord, locked
 from perfrun.step import BatchStream, TrainStep
 from perfrun.summary import RunSummary
 from perfrun.telemetry import contention
@@ -66,6 +71,9 @@ class Setup:
 def setup(cfg: Any, stack: ExitStack) -> Setup:
     """Everything before the first step: validated config, data, model, knobs, optimizer."""
     validate(cfg)
+    if not 0 <= cfg.seed < 2**32:
+        raise ConfigError(f"seed={cfg.seed} is outside what the random number generators take (0 to 2**32-1, numpy's "
+                          "limit); choose a seed in that range")
     device = distributed.setup_device(cfg.device, cfg.distributed, stack)
     fp8.check(cfg, device)  # refused before any data or model is built
     rank, world = distributed.rank(), distributed.world_size()
@@ -133,7 +141,7 @@ class Loop:
 
 
 def build_loop(cfg: Any, built: Setup, run_dir: Path | None, sink: RecordSink, reporter: ConsoleReporter,
-               stop: GracefulStop) -> Loop:
+               stop: GracefulStop, search: RunSearch | None = None) -> Loop:
     """The loop's parts, from the config and what setup built; nothing starts yet."""
     plan, device, optimizer, scheduler = built.plan, built.device, built.optimizer, built.scheduler
     when = MetricsConfig(cfg.log_every, cfg.max_steps, cfg.monitor.every_n_steps, cfg.timing_warmup_steps)
@@ -146,7 +154,7 @@ def build_loop(cfg: Any, built: Setup, run_dir: Path | None, sink: RecordSink, r
     guard = NonFiniteGuard(device, cfg.guard.max_bad_steps, scaler_skips=plan.skips_nonfinite_steps)
     checkpointer = Checkpointer(cfg.checkpoint, checkpoint_folder(cfg.checkpoint.dir, run_dir),
                                 Parts(plan, optimizer, scheduler, stream, metrics), guard, sink,
-                                config=_plain(cfg), seed=cfg.seed, max_steps=cfg.max_steps)
+                                config=_plain(cfg), seed=cfg.seed, max_steps=cfg.max_steps, search=search)
     return Loop(
         max_steps=cfg.max_steps,
         train_step=TrainStep(plan, optimizer, scheduler, stream, metrics, clip=cfg.optim.grad_clip, device=device),
@@ -200,31 +208,40 @@ def train_loop(loop: Loop, start: Start) -> RunSummary:
     return result
 
 
-def run(cfg: Any, run_dir: Path | None, *, overrides: list[str] | None = None) -> RunSummary:
+def run(cfg: Any, run_dir: Path | None, *, overrides: list[str] | None = None,
+        search_root: Path | None = None) -> RunSummary:
     """One training job. Writes metrics.jsonl and summary.json into ``run_dir`` (rank 0).
 
     Raises ConfigError or RunFailed (after writing a ``failed`` summary) for what the user
-    can fix, and Interrupted (after an ``interrupted`` summary and a checkpoint) on
-    SIGINT/SIGTERM; the caller turns them into one line and an exit code.
+    can fix, and for anything unexpected (its traceback goes to train.log); Interrupted
+    (after an ``interrupted`` summary and a checkpoint) on SIGINT/SIGTERM; the caller turns
+    them into one line and an exit code. A job refused before its first step writes no
+    summary over one already in ``run_dir``; ``search_root``: where ``resume=auto`` looks
+    for the run to continue when ``run_dir`` holds no checkpoint.
     """
     rank, world = rank_info()
     main = rank == 0
     t_start = time.perf_counter()
     state_at_start = global_state()
     summary: RunSummary = {"status": "running", "overrides": list(overrides or []), "rank": rank, "world_size": world}
-    sink = build_sinks(cfg, run_dir, rank)  # metrics.jsonl and the experiment logger, on rank 0
+    record = RunRecord(run_dir if main else None)
+    search = RunSearch(search_root, job_config(cfg), run_dir) if search_root is not None else None
+    sink: RecordSink | None = None
     device: torch.device | None = None
     try:
         with ExitStack() as stack, GracefulStop() as stop:
+            _hold_folders(cfg, run_dir, stack)
+            record.owned = True
+            sink = build_sinks(cfg, run_dir, rank)  # metrics.jsonl and the experiment logger, on rank 0
             built = setup(cfg, stack)
             device = built.device
             summary.update(built.facts)
             summary["environment"] = environment(device)
             reporter = ConsoleReporter(cfg.progress, cfg.max_steps, enabled=main, monitor_every=cfg.monitor.every_n_steps)
-            loop = build_loop(cfg, built, run_dir, sink, reporter, stop)
+            loop = build_loop(cfg, built, run_dir, sink, reporter, stop, search)
             stop.refuse_during_setup()  # Ctrl-C or SIGTERM during setup: nothing to save yet
             start = loop.checkpointer.resume(cfg.resume)
-            summary["resumed_from"] = start.checkpoint
+            _mark_start(summary, sink, record, start)
             attach_profiler(cfg, device, built.plan, stack, run_dir, record=main)  # rank 0 records
             summary["setup_s"] = time.perf_counter() - t_start
             loop.metrics.start_monitor(cfg.monitor, device, stack)
@@ -237,7 +254,7 @@ def run(cfg: Any, run_dir: Path | None, *, overrides: list[str] | None = None) -
             if built.facts["memory_snapshot"] and main:
                 summary["memory_snapshot_path"] = dump_memory_snapshot(run_dir, "end of the job")
             del built, loop
-        _raise_unless_completed(summary)
+        _raise_unless_completed(summary, _continue_hint(summary, run_dir))
         summary["status"] = "completed"
         return summary
     except (ConfigError, RunFailed) as e:
@@ -252,6 +269,12 @@ def run(cfg: Any, run_dir: Path | None, *, overrides: list[str] | None = None) -
         summary["status"] = "interrupted"
         summary["reason"] = "stopped at once by a second SIGINT; the current step was not saved"
         raise Interrupted(signal.SIGINT, summary["reason"]) from None
+    except Exception as e:  # noqa: BLE001 - anything else still ends the run with a true status and one line
+        summary["status"] = "failed"
+        summary["reason"] = unexpected_reason(e)
+        _traceback_to_log_files(e)
+        where = f"; the traceback is in {run_dir / 'train.log'}" if run_dir is not None else ""
+        raise RunFailed(f"the run failed: {summary['reason']}{where}") from e
     finally:
         _release(device)
         summary["global_state_at_start"] = state_at_start
@@ -259,11 +282,81 @@ def run(cfg: Any, run_dir: Path | None, *, overrides: list[str] | None = None) -
         summary["wall_s"] = time.perf_counter() - t_start
         if cfg is not None:
             summary["config"] = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else cfg
-        if main and run_dir is not None:
-            write_json(run_dir / "summary.json", summary)
-        sink.close(summary)  # the loggers end their runs with it
+        unwritten = _write_summary(summary, record, run_dir) if main and run_dir is not None else None
+        if sink is not None:
+            sink.close(summary)  # the loggers end their runs with it
         if summary["status"] == "completed":
             _log_summary(summary)
+        if unwritten is not None and summary["status"] == "completed":
+            raise RunFailed(unwritten)
+
+
+def _hold_folders(cfg: Any, run_dir: Path | None, stack: ExitStack) -> None:
+    """Rank 0 locks the run dir and checkpoint.dir for the life of the job (one job per
+    folder); every rank stops with the same line when another job holds one."""
+    problem = None
+    if distributed.rank() == 0:
+        try:
+            if run_dir is not None:
+                _lock(run_dir, "hydra.run.dir", stack)
+            if cfg.checkpoint.dir:
+                check_writable(Path(cfg.checkpoint.dir))
+                _lock(Path(cfg.checkpoint.dir), "checkpoint.dir", stack)
+        except ConfigError as e:
+            problem = str(e)
+    problem = distributed.from_rank0(problem)
+    if problem is not None:
+        raise ConfigError(problem)
+
+
+def _lock(folder: Path, what: str, stack: ExitStack) -> None:
+    try:
+        stack.enter_context(locked(folder, what))
+    except OSError as e:
+        raise ConfigError(f"{what}={folder} is not writable ({e.strerror or e}); set {what} to a writable folder") from None
+
+
+def _mark_start(summary: RunSummary, sink: RecordSink, record: RunRecord, start: Start) -> None:
+    """From here the job trains, and its summary stands. A resume (or a run into a run dir
+    that held one) puts a ``start`` record into metrics.jsonl: a reader drops the rows before
+    it of the steps after ``step``, which are trained again."""
+    record.trained = True
+    summary["resumed_from"] = start.checkpoint
+    summary["resumed_from_step"] = start.step if start.checkpoint else None
+    if start.checkpoint or record.previous is not None:
+        sink.write({"kind": "start", "step": start.step, "resumed_from": start.checkpoint})
+
+
+def _write_summary(summary: RunSummary, record: RunRecord, run_dir: Path) -> str | None:
+    """summary.json, unless the job was refused where a summary already stands; the one-line
+    reason when it cannot be written (a full disk)."""
+    shown = record.to_write(summary)
+    if shown is None:
+        return None
+    try:
+        write_json(run_dir / "summary.json", shown)
+    except OSError as e:
+        message = f"could not write {run_dir / 'summary.json'}: {e.strerror or first_line(e)}; free space on that disk"
+        log.error(message)
+        return message
+    return None
+
+
+def unexpected_reason(e: BaseException) -> str:
+    """What a user reads of an exception perfrun did not foresee: its kind and first line
+    (a full disk said as such)."""
+    if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+        return f"the disk is full ({e.filename or 'writing the run'}); free space and resume with resume=auto"
+    return f"{type(e).__name__}: {first_line(e)}"
+
+
+def _traceback_to_log_files(e: BaseException) -> None:
+    """The traceback into train.log (the log files), not onto the console."""
+    record = log.makeRecord(log.name, logging.ERROR, __file__, 0, "unexpected error: %s", (first_line(e),),
+                            (type(e), e, e.__traceback__))
+    for handler in logging.getLogger().handlers + log.handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
 
 
 def _train(cfg: Any, loop: Loop, start: Start, run_dir: Path | None, *, snapshot: bool) -> RunSummary:
@@ -280,8 +373,8 @@ def _train(cfg: Any, loop: Loop, start: Start, run_dir: Path | None, *, snapshot
         raise RunFailed(str(e)) from None
 
 
-def _raise_unless_completed(summary: RunSummary) -> None:
-    """A diverged run fails; a stopped one is interrupted, with where to continue from."""
+def _raise_unless_completed(summary: RunSummary, hint: str) -> None:
+    """A diverged run fails; a stopped one is interrupted, with the command that continues it."""
     if summary["failure"]:
         raise RunFailed(summary["failure"])
     signum = summary["interrupted_by"]
@@ -289,7 +382,16 @@ def _raise_unless_completed(summary: RunSummary) -> None:
         where = summary["checkpoints"][-1] if summary["checkpoints"] else "no checkpoint (no run dir)"
         summary["status"] = "interrupted"
         summary["reason"] = f"{signal.Signals(signum).name} at step {summary['steps']}; saved {where}"
-        raise Interrupted(signum, f"stopped by {summary['reason']}; continue with resume=auto or resume={where}")
+        raise Interrupted(signum, f"stopped by {summary['reason']}; continue with: {hint}")
+
+
+def _continue_hint(summary: RunSummary, run_dir: Path | None) -> str:
+    """``perfrun train`` with this job's overrides, its run dir and resume=auto: pasted as is,
+    it continues this run whatever else the outputs folder holds."""
+    kept = [o for o in summary.get("overrides", []) if not o.lstrip("+~").startswith("resume=")]
+    if run_dir is not None:
+        kept.append(f"hydra.run.dir={run_dir}")
+    return " ".join(["perfrun", "train", *map(shlex.quote, kept), "resume=auto"])
 
 
 def _plain(cfg: Any) -> dict[str, Any]:

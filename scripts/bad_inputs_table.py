@@ -33,7 +33,9 @@ def main() -> int:
         d = Path(tmp)
         os.chdir(d)
         cli_main(["train", *SMALL, "model.n_embd=64", "hydra.run.dir=source", "progress=off"])
-        make_fixtures(d, checkpoint.list_checkpoints(d / "source" / "checkpoints")[-1])
+        cli_main(["train", *SMALL, "hydra.run.dir=small", "progress=off"])
+        make_fixtures(d, checkpoint.list_checkpoints(d / "source" / "checkpoints")[-1],
+                      checkpoint.list_checkpoints(d / "small" / "checkpoints")[-1])
         for case in CASES:
             given = [a.format(d=d) for a in case.args]
             argv = [given[0], *(SMALL if case.small else []), *given[1:]]
@@ -66,7 +68,10 @@ def main() -> int:
         "a full disk during a checkpoint save (`test_full_disk_during_save_keeps_the_previous_checkpoint`),",
         "fp16 on a device without it (`test_fp16_where_unsupported_is_refused`), `compile=true`",
         "without a C++ compiler (`test_compile_without_a_compiler_is_refused`), and out of memory",
-        "(`test_out_of_memory_becomes_advice`).",
+        "(`test_out_of_memory_becomes_advice`). In `tests/test_nothing_lost.py`: a real full disk (a 2 MiB",
+        "tmpfs) as checkpoint.dir, as hydra.run.dir and as an export target, a second job in a run dir",
+        "that another holds, an unexpected exception in a job and in a sweep's job, and a refused",
+        "command on a completed run.",
         "",
     ]
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -94,6 +94,25 @@ CASES = [
     Case("logger folder under a file", ("train", "logger=tensorboard", "logger.dir={d}/notes.txt/tb"),
          "logger=tensorboard could not start"),
     Case("unknown command", ("trian",), "unknown command 'trian'", small=False),
+    Case("seed too large for training's random number generators", ("train", "seed=4294967296"),
+         "seed=4294967296 is outside what the random number generators take"),
+    Case("negative seed", ("train", "seed=-1"), "seed=-1 is outside what the random number generators take"),
+    Case("resume: a weight of the wrong shape", ("train", "resume={d}/wrong_tensor.pt"),
+         "its model weights cannot be loaded"),
+    Case("resume: blocks missing from the weights", ("train", "resume={d}/missing_blocks.pt"),
+         "its model weights cannot be loaded"),
+    Case("resume: no optimizer state", ("train", "resume={d}/no_optimizer.pt"), "its optimizer state cannot be loaded"),
+    Case("resume: a broken learning-rate schedule", ("train", "resume={d}/bad_scheduler.pt"),
+         "its learning-rate schedule cannot be loaded"),
+    Case("resume: a schedule that is not a state at all", ("train", "resume={d}/scheduler_not_a_dict.pt"),
+         "its learning-rate schedule cannot be loaded"),
+    Case("resume: broken random generator state", ("train", "resume={d}/bad_rng.pt"),
+         "its random generators cannot be loaded"),
+    Case("resume: a negative step", ("train", "resume={d}/negative_step.pt"), "impossible position (step=-5"),
+    Case("resume: a data position that is not a number", ("train", "resume={d}/bad_position.pt"),
+         "impossible position (data.consumed='x'"),
+    Case("resume=auto: a run already at max_steps in that run dir", ("train", "resume=auto", "hydra.run.dir={d}/small"),
+         "already at max_steps=2"),
     Case("seed too large for the random number generator",
          ("generate", "checkpoint={d}/other_model.pt", "seed=18446744073709551616"),
          "is outside what the random number generator takes", small=False),
@@ -109,8 +128,9 @@ CASES = [
 ]
 
 
-def make_fixtures(d: Path, good_checkpoint: Path) -> None:
-    """The files the cases point at; ``good_checkpoint`` is a real one of another shape."""
+def make_fixtures(d: Path, good_checkpoint: Path, small_checkpoint: Path) -> None:
+    """The files the cases point at; ``good_checkpoint`` is a real one of another shape,
+    ``small_checkpoint`` one of SMALL's shape (its run dir is ``d/small``), damaged here."""
     (d / "empty.txt").write_bytes(b"")
     (d / "short.txt").write_text("print('hi')\n")
     (d / "odd.bin").write_bytes(b"\x01\x02\x03")
@@ -133,3 +153,22 @@ def make_fixtures(d: Path, good_checkpoint: Path) -> None:
     (d / "gpt2_config").mkdir()
     (d / "gpt2_config" / "config.json").write_text(json.dumps({
         "model_type": "gpt2", "n_layer": 12, "n_head": 12, "n_embd": 768, "n_positions": 1024, "vocab_size": 50257}))
+    damaged_resumes(d, small_checkpoint)
+
+
+def damaged_resumes(d: Path, small_checkpoint: Path) -> None:
+    """Checkpoints of the right shape and format whose state does not load: each load step's failure."""
+    def variant(name: str, change) -> None:
+        state = torch.load(small_checkpoint, map_location="cpu", weights_only=True)
+        change(state)
+        torch.save(state, d / name)
+
+    variant("wrong_tensor.pt", lambda s: s["model"].__setitem__("wte.weight", torch.zeros(3, 3)))
+    variant("missing_blocks.pt", lambda s: s.__setitem__("model", {k: v for k, v in s["model"].items()
+                                                                    if not k.startswith("blocks.")}))
+    variant("no_optimizer.pt", lambda s: s.pop("optimizer"))
+    variant("bad_scheduler.pt", lambda s: s["scheduler"].__setitem__("last_epoch", "x"))
+    variant("scheduler_not_a_dict.pt", lambda s: s.__setitem__("scheduler", [1, 2]))
+    variant("bad_rng.pt", lambda s: s["rng"].__setitem__("torch", torch.zeros(3, dtype=torch.uint8)))
+    variant("negative_step.pt", lambda s: s.__setitem__("step", -5))
+    variant("bad_position.pt", lambda s: s["data"].__setitem__("consumed", "x"))

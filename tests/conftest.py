@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -78,6 +79,22 @@ def run_cli(*args: str, cwd: Path, timeout: float = 240, env: dict[str, str] | N
         [sys.executable, "-m", "perfrun", *args], cwd=cwd, env=full_env,
         capture_output=True, text=True, timeout=timeout,
     )
+
+
+def start_train(cwd: Path, *args: str) -> subprocess.Popen:
+    """``perfrun train args`` as a separate process, its output piped, for a test to signal or kill."""
+    env = {**os.environ, "PYTHONPATH": _pythonpath(), "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, "-m", "perfrun", "train", *args], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for(predicate: Any, timeout: float = 120) -> None:
+    """Poll ``predicate`` until it holds; a generous timeout only against a hang."""
+    end = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > end:
+            raise TimeoutError
+        time.sleep(0.005)
 
 
 def torchrun(cwd: Path, *args: str, nproc: int = 2) -> subprocess.CompletedProcess:

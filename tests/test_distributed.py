@@ -65,7 +65,7 @@ def test_only_rank_0_writes_into_one_run_dir(ddp_run: Path) -> None:
     files = sorted(str(p.relative_to(ddp_run)) for p in ddp_run.rglob("*") if p.is_file() and "resume" not in p.parts)
     (run_dir,) = {Path(f).parts[:3] for f in files}  # everything under one outputs/DATE/TIME
     names = sorted(str(Path(*Path(f).parts[3:])) for f in files)
-    assert names == [".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml",
+    assert names == [".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml", ".perfrun.lock",
                      "checkpoints/step_0000003.pt", "checkpoints/step_0000006.pt",
                      "metrics.jsonl", "summary.json", "train.log"]
     lines = (ddp_run.joinpath(*run_dir) / "metrics.jsonl").read_text().splitlines()

@@ -6,11 +6,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
-import os
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +20,7 @@ from perfrun.model import GPT
 from perfrun.train import RunFailed, run
 
 from bad_input_cases import CASES, SMALL, make_fixtures
-from conftest import REPO, TINY_MODEL, make_cfg
+from conftest import TINY_MODEL, make_cfg, start_train, wait_for
 
 
 def losses_by_step(run_dir: Path) -> dict[int, float]:
@@ -96,7 +92,7 @@ def test_unwritable_checkpoint_dir_fails_before_training(tmp_path: Path) -> None
     (tmp_path / "a-file").write_text("x")
     with pytest.raises(ConfigError, match="checkpoint.dir=.*a-file/ck is not writable"):
         run(make_cfg("max_steps=2", f"checkpoint.dir={tmp_path / 'a-file' / 'ck'}"), tmp_path / "run")
-    assert not (tmp_path / "run" / "metrics.jsonl").read_text()
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # refused before any record: not even the file
 
 
 def test_resume_refuses_another_model_shape(tmp_path: Path) -> None:
@@ -186,7 +182,9 @@ def _digest(root: Path) -> dict[str, str]:
 def fixtures(tmp_path_factory: pytest.TempPathFactory) -> Path:
     d = tmp_path_factory.mktemp("bad-inputs")
     run(make_cfg("max_steps=1", "model.n_embd=64"), d / "source")
-    make_fixtures(d, checkpoint_files.list_checkpoints(d / "source" / "checkpoints")[-1])
+    run(make_cfg(*SMALL), d / "small")
+    make_fixtures(d, checkpoint_files.list_checkpoints(d / "source" / "checkpoints")[-1],
+                  checkpoint_files.list_checkpoints(d / "small" / "checkpoints")[-1])
     return d
 
 
@@ -210,29 +208,15 @@ def test_bad_input_gets_one_line(case, fixtures: Path, capfd: pytest.CaptureFixt
     assert _digest(fixtures) == before  # no file damaged
 
 
-def _start(tmp_path: Path, *args: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen([sys.executable, "-m", "perfrun", "train", *args], cwd=tmp_path, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def _wait_for(predicate, timeout: float = 120) -> None:
-    end = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > end:
-            raise TimeoutError
-        time.sleep(0.005)
-
-
 def _first_metrics(tmp_path: Path) -> bool:
     return any(p.stat().st_size > 0 for p in tmp_path.rglob("metrics.jsonl"))
 
 
 @pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_signal_stops_gracefully_and_resumes(tmp_path: Path, sig: int, code: int) -> None:
-    p = _start(tmp_path, *TINY_MODEL, "max_steps=100000", "log_every=1", "device=cpu", "monitor.every_n_steps=0",
+    p = start_train(tmp_path, *TINY_MODEL, "max_steps=100000", "log_every=1", "device=cpu", "monitor.every_n_steps=0",
                "hydra.run.dir=run")
-    _wait_for(lambda: _first_metrics(tmp_path))
+    wait_for(lambda: _first_metrics(tmp_path))
     p.send_signal(sig)
     out, err = p.communicate(timeout=60)
     assert p.returncode == code, err
@@ -244,7 +228,7 @@ def test_signal_stops_gracefully_and_resumes(tmp_path: Path, sig: int, code: int
     if sig == signal.SIGINT:
         return  # the resume below is the same for both signals: run it once
     stop_step = s["steps"]
-    resumed = _start(tmp_path, *TINY_MODEL, f"max_steps={stop_step + 3}", "device=cpu", "monitor.every_n_steps=0",
+    resumed = start_train(tmp_path, *TINY_MODEL, f"max_steps={stop_step + 3}", "device=cpu", "monitor.every_n_steps=0",
                      "hydra.run.dir=run", "resume=auto")
     out, err = resumed.communicate(timeout=120)
     assert resumed.returncode == 0, err
@@ -255,9 +239,9 @@ def test_signal_stops_gracefully_and_resumes(tmp_path: Path, sig: int, code: int
 def test_second_sigint_stops_at_once(tmp_path: Path) -> None:
     """The second SIGINT is sent once the first was handled (two signals that arrive while
     the interpreter is inside one C call are delivered as one), during a ~1 s step."""
-    p = _start(tmp_path, "model.n_layer=4", "model.n_embd=384", "model.n_head=4", "dataloader.batch_size=16",
+    p = start_train(tmp_path, "model.n_layer=4", "model.n_embd=384", "model.n_head=4", "dataloader.batch_size=16",
                "max_steps=100000", "log_every=1", "device=cpu", "monitor.every_n_steps=0", "hydra.run.dir=run")
-    _wait_for(lambda: _first_metrics(tmp_path))
+    wait_for(lambda: _first_metrics(tmp_path))
     p.send_signal(signal.SIGINT)
     for line in p.stdout:
         if "SIGINT received" in line:
@@ -271,13 +255,13 @@ def test_second_sigint_stops_at_once(tmp_path: Path) -> None:
 
 def test_kill_9_during_a_checkpoint_write_leaves_the_previous_one(tmp_path: Path) -> None:
     """A model big enough that a save takes a while; killed while a .tmp is being written."""
-    p = _start(tmp_path, "model.n_layer=2", "model.n_embd=512", "model.n_head=4", "model.block_size=32",
+    p = start_train(tmp_path, "model.n_layer=2", "model.n_embd=512", "model.n_head=4", "model.block_size=32",
                "dataloader.batch_size=2", "max_steps=100000", "log_every=1", "device=cpu",
                "monitor.every_n_steps=0", "checkpoint.every_n_steps=1", "checkpoint.keep_last=2", "hydra.run.dir=run")
     ckdir = tmp_path / "run" / "checkpoints"
     try:
-        _wait_for(lambda: len(checkpoint_files.list_checkpoints(ckdir)) >= 1)
-        _wait_for(lambda: any(ckdir.glob("*.tmp")))
+        wait_for(lambda: len(checkpoint_files.list_checkpoints(ckdir)) >= 1)
+        wait_for(lambda: any(ckdir.glob("*.tmp")))
         p.kill()
     finally:
         p.wait(timeout=30)

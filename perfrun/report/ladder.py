@@ -22,17 +22,16 @@ alone decides.
 
 from __future__ import annotations
 
-import json
 import math
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
+from perfrun.report.metrics_file import train_records
 from perfrun.report.noise import Effect, Spread, effect, spread
 from perfrun.report.rows import Report, Row
 from perfrun.summary import read_summary
 
-METRICS = "metrics.jsonl"
 DEFAULT_LOSS_WINDOW = 0.2
 LOSS_FACTOR = 3.0
 LOSS_CEILING = 0.05
@@ -41,20 +40,9 @@ NOT_KNOBS = ("ablation", "seed", "repeat")
 
 
 def train_losses(job: Path) -> dict[int, float]:
-    """step -> train loss from metrics.jsonl (the last record of a step wins, as after a resume)."""
-    curve: dict[int, float] = {}
-    try:
-        lines = (job / METRICS).read_text().splitlines()
-    except OSError:
-        return curve
-    for line in lines:
-        try:
-            r = json.loads(line)
-        except ValueError:
-            continue  # a line cut by a crash
-        if isinstance(r, dict) and r.get("kind") == "train" and isinstance(r.get("loss"), (int, float)):
-            curve[int(r["step"])] = float(r["loss"])
-    return curve
+    """step -> train loss from metrics.jsonl, as the run that ended sees it (rows a resume
+    trained again are dropped)."""
+    return {int(r["step"]): float(r["loss"]) for r in train_records(job) if isinstance(r.get("loss"), (int, float))}
 
 
 def loss_parity(knob: dict[int, float], base: dict[int, float], window: float) -> dict[str, Any]:

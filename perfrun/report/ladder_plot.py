@@ -9,32 +9,20 @@ matplotlib's object API with the Agg canvas, as :mod:`perfrun.report.plot`.
 from __future__ import annotations
 
 import io
-import json
 from pathlib import Path
 from typing import Any
 
+from perfrun.report.metrics_file import train_records
 from perfrun.report.rows import Report, finite
 
 PHASES = ("data", "forward", "backward", "optimizer")
 
 
 def _curves(job: Path) -> tuple[list[int], list[float], list[float]]:
-    """steps, loss and tokens/s of the train records of ``job``'s metrics.jsonl."""
-    steps, loss, tps = [], [], []
-    try:
-        lines = (job / "metrics.jsonl").read_text().splitlines()
-    except OSError:
-        return steps, loss, tps
-    for line in lines:
-        try:
-            r = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(r, dict) and r.get("kind") == "train" and finite(r.get("loss")) and finite(r.get("tokens_per_s")):
-            steps.append(int(r["step"]))
-            loss.append(float(r["loss"]))
-            tps.append(float(r["tokens_per_s"]))
-    return steps, loss, tps
+    """steps, loss and tokens/s of the train records of ``job``'s metrics.jsonl (rows a
+    resume trained again dropped)."""
+    rows = [r for r in train_records(job) if finite(r.get("loss")) and finite(r.get("tokens_per_s"))]
+    return [int(r["step"]) for r in rows], [float(r["loss"]) for r in rows], [float(r["tokens_per_s"]) for r in rows]
 
 
 def _error(e: dict[str, Any]) -> list[float]:
