@@ -282,7 +282,7 @@ class StepTrial:
         peak = torch.cuda.max_memory_allocated(self.device) if cuda else track.peak_bytes  # type: ignore[union-attr]
         if self.budget is not None and peak > self.budget:
             ok = False
-        self.peak_mib[batch] = round(peak / MIB, 1)
+        self.peak_mib[batch] = peak / MIB  # unrounded: a trial just over the budget must read as over it
         release(self.device)
         return ok
 

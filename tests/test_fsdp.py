@@ -245,15 +245,16 @@ def test_fsdp_on_cuda_over_nccl_trains_saves_and_resumes(compile_: bool, tmp_pat
 def test_saving_a_step_again_replaces_it_only_once_the_new_one_is_whole(tmp_path: Path) -> None:
     """One process, no process group (DCP then writes alone): the second save of step 5
     is written beside the first and takes its name only when complete."""
+    POSITION = {"step": 5, "data": {"epoch": 0, "consumed": 0}}  # noqa: N806 - what every real checkpoint records
     from perfrun.model import GPT, GPTConfig
 
     model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=1, n_embd=8, dropout=0.0, bias=True,
                           attention="sdpa"))
     opt = torch.optim.AdamW(model.parameters())
-    checkpoint_files.save_sharded(tmp_path, 5, model, opt, {"note": "first"}, keep_last=3)
+    checkpoint_files.save_sharded(tmp_path, 5, model, opt, {"note": "first", **POSITION}, keep_last=3)
     with torch.no_grad():
         model.wte.weight.add_(1.0)
-    checkpoint_files.save_sharded(tmp_path, 5, model, opt, {"note": "second"}, keep_last=3)
+    checkpoint_files.save_sharded(tmp_path, 5, model, opt, {"note": "second", **POSITION}, keep_last=3)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_0000005"]
     ckpt = checkpoint_files.load(tmp_path / "step_0000005")
     assert ckpt["note"] == "second"

@@ -129,7 +129,8 @@ def test_a_real_quick_tune_on_the_cpu(capsys: pytest.CaptureFixture[str], tmp_pa
     saved = json.loads((out / "tune_summary.json").read_text())
     trials = saved["trials"]
     assert [t["candidate"]["batch_size"] for t in trials] == [2, 4] and all(t["status"] == "completed" for t in trials)
-    fastest = max(trials, key=lambda t: t["tokens_per_s"])
+    had_the_machine = [t for t in trials if not t.get("contended")] or trials  # a contended trial never wins
+    fastest = max(had_the_machine, key=lambda t: t["tokens_per_s"])
     assert saved["winner"] == fastest["candidate"]
     assert text.splitlines()[-1] == saved["command"]
     # every trial is a run dir: perfrun report reads the tune dir like a sweep
