@@ -14,15 +14,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from perfrun.console import fmt
 from perfrun.report.noise import Effect, Spread
 from perfrun.report.rows import Report, Row, finite
 
 NA = "n/a"
-
-
-def fmt(v: Any, spec: str, scale: float = 1.0) -> str:
-    """A figure as the tables show it, or n/a."""
-    return format(v * scale, spec) if finite(v) else NA
 
 
 def is_na(v: Any) -> bool:
@@ -50,7 +46,7 @@ class Column:
             return self.text(row)
         v = self.value(row)
         if self.spec:
-            return fmt(v, self.spec, self.scale) + (self.suffix if finite(v) else "")
+            return fmt(v, self.spec, scale=self.scale, unit=self.suffix, missing=NA)
         return NA if v is None else str(v)
 
     def csv(self, row: Any) -> Any:
