@@ -15,6 +15,8 @@ from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
+from perfrun import resolvers
+
 
 class ConfigError(ValueError):
     """A user's configuration mistake: reported as one line, never as a traceback."""
@@ -251,7 +253,7 @@ def register_configs() -> None:
     from omegaconf import OmegaConf
 
     ConfigStore.instance().store(name="train_schema", node=TrainConfig)
-    OmegaConf.register_new_resolver("perfrun.if_cuda", if_cuda, replace=True)
+    resolvers.register()
     OmegaConf.register_new_resolver("perfrun_groups", group_listing, replace=True)  # the help's group list
 
 
@@ -269,15 +271,6 @@ def group_listing() -> str:
         if options:
             lines.append(f"{group.name}: {', '.join(options)}")
     return "\n".join(lines)
-
-
-def if_cuda(device: str, on_cuda: Any, otherwise: Any) -> Any:
-    """``${perfrun.if_cuda:${device},A,B}``: A where ``device`` trains on CUDA, else B. The
-    ablation's YAML turns on a CUDA-only knob (precision.tf32) only where it can act."""
-    import torch
-
-    device = str(device)
-    return on_cuda if device.startswith("cuda") or (device == "auto" and torch.cuda.is_available()) else otherwise
 
 
 CHOICES = {

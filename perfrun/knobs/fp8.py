@@ -33,11 +33,12 @@ import torch.nn as nn
 
 from perfrun.config import CHOICES, ConfigError
 from perfrun.inference.int8 import torchao_available
+from perfrun.resolvers import FP8_MIN_CAPABILITY
 
 log = logging.getLogger("perfrun")
 
 RECIPES = CHOICES["precision.recipe"]
-MIN_CAPABILITY = (8, 9)
+MIN_CAPABILITY = FP8_MIN_CAPABILITY
 
 
 def refusal(device_type: str, capability: tuple[int, int] | None, has_torchao: bool, gpu: str = "") -> str | None:

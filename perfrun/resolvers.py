@@ -1,0 +1,56 @@
+"""OmegaConf resolvers the YAML uses to turn a knob on only where it can act.
+
+The ablation's rungs are written once for every device: ``${perfrun.if_cuda:${device},A,B}``
+picks A where the job trains on CUDA (TF32, the compile mode that autotunes Triton kernels),
+``${perfrun.if_fp8:${device},A,B}`` picks A where the GPU has FP8 tensor cores and torchao is
+installed (``precision=fp8``). Elsewhere the rung keeps B, its configuration equals the rung
+below, and the report shows it as not applicable.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+#: FP8 tensor-core matmuls: Ada (8.9), Hopper (9.0), Blackwell and later
+FP8_MIN_CAPABILITY = (8, 9)
+
+
+def _cuda_index(device: str) -> int | None:
+    """The CUDA device index ``device`` trains on, or None where it is not CUDA."""
+    import torch
+
+    device = str(device)
+    if device == "auto":
+        return torch.cuda.current_device() if torch.cuda.is_available() else None
+    if not device.startswith("cuda"):
+        return None
+    return int(device.split(":", 1)[1]) if ":" in device else 0
+
+
+def if_cuda(device: str, on_cuda: Any, otherwise: Any) -> Any:
+    """``${perfrun.if_cuda:${device},A,B}``: A where ``device`` trains on CUDA, else B."""
+    return on_cuda if _cuda_index(device) is not None else otherwise
+
+
+def has_fp8(device: str) -> bool:
+    """Whether ``device`` is a CUDA GPU with FP8 tensor cores and torchao is installed."""
+    import torch
+
+    index = _cuda_index(device)
+    if index is None or not torch.cuda.is_available() or index >= torch.cuda.device_count():
+        return False
+    return (torch.cuda.get_device_capability(index) >= FP8_MIN_CAPABILITY
+            and importlib.util.find_spec("torchao") is not None)
+
+
+def if_fp8(device: str, on_fp8: Any, otherwise: Any) -> Any:
+    """``${perfrun.if_fp8:${device},A,B}``: A where ``device`` can train in FP8, else B."""
+    return on_fp8 if has_fp8(device) else otherwise
+
+
+def register() -> None:
+    from omegaconf import OmegaConf
+
+    OmegaConf.register_new_resolver("perfrun.if_cuda", if_cuda, replace=True)
+    OmegaConf.register_new_resolver("perfrun.if_fp8", if_fp8, replace=True)
