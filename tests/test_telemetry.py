@@ -602,3 +602,30 @@ def test_monitor_on_real_gpu():
 def test_measure_matmul_on_real_gpu():
     r = peaks.measure_matmul(torch.device("cuda", 0), torch.bfloat16, size=2048, repeats=3)
     assert r.tflops > 1 and "CUDA events" in r.method()
+
+
+def test_run_host_means_cover_the_steady_intervals_only():
+    """The warm-up interval (compilation, with inductor's compile-worker processes) must not
+    count in the run's host CPU means that contention is judged by: the run's figure is the
+    steady interval's, not a mix with the warm-up's."""
+    mon = Monitor(torch.device("cpu"), SimpleNamespace(every_n_steps=1, sample_interval_s=0.02, pcie=False))
+    warm = mon.collect(10, None)  # a warm-up interval: no step time
+    cpu0 = time.process_time()
+    while time.process_time() - cpu0 < 0.03:  # CPU to read in the steady interval
+        sum(range(20_000))
+    steady = mon.collect(20, 0.01)
+    s = mon.summary(tokens=100)
+    mon.close()
+    assert warm["proc_cpu_pct_mean"] is not None and steady["proc_cpu_pct_mean"] is not None
+    assert s["host_cpu_window"] == "steady intervals"
+    assert s["host_cpu_pct_mean"] == steady["host_cpu_pct_mean"]
+    assert s["proc_cpu_pct_mean"] == steady["proc_cpu_pct_mean"]
+
+
+def test_run_host_means_fall_back_to_every_interval_without_a_steady_one():
+    mon = Monitor(torch.device("cpu"), SimpleNamespace(every_n_steps=1, sample_interval_s=0.02, pcie=False))
+    only = mon.collect(10, None)
+    s = mon.summary(tokens=100)
+    mon.close()
+    assert s["host_cpu_window"] == "all intervals"
+    assert s["proc_cpu_pct_mean"] == only["proc_cpu_pct_mean"]

@@ -134,6 +134,9 @@ class IntervalRecord:
     step: int
     step_time_s: float | None
     slowdown_reasons: set[str]
+    # host CPU figure -> (mean x seconds, seconds) over the interval: the run's means are
+    # taken over the steady intervals only (those with a step time), see Monitor.summary
+    host_weighted: dict[str, tuple[float, float]] = field(default_factory=dict)
 
 
 def rounded(v: float | None, nd: int = 1) -> float | None:

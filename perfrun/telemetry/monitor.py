@@ -79,8 +79,6 @@ class Monitor:
         self._host_prev = self.host.snapshot()  # host counters at the previous collect
         self._host_latest = self._host_prev  # the sampler thread's latest reading
         self._host_carry: HostInterval | None = None
-        self._host_weighted: dict[str, list[float]] = {k: [0.0, 0.0] for k in ("host_cpu_pct", "proc_cpu_pct",
-                                                                                 "workers_cpu_pct")}
         self._gpu_others: int | None = None  # the most other processes seen on the GPU
         self._workers_max = 0
 
@@ -233,11 +231,10 @@ class Monitor:
         out["workers"] = hi.workers
         out["workers_cpu_pct_mean"] = rounded(hi.workers_cpu_pct)
 
-        for key, value in (("host_cpu_pct", hi.host_cpu_pct), ("proc_cpu_pct", hi.proc_cpu_pct),
-                           ("workers_cpu_pct", hi.workers_cpu_pct)):
-            if value is not None and dt > 0:
-                self._host_weighted[key][0] += value * dt
-                self._host_weighted[key][1] += dt
+        weighted = {key: (value * dt, dt) for key, value in (("host_cpu_pct", hi.host_cpu_pct),
+                                                             ("proc_cpu_pct", hi.proc_cpu_pct),
+                                                             ("workers_cpu_pct", hi.workers_cpu_pct))
+                    if value is not None and dt > 0}
         self._workers_max = max(self._workers_max, hi.workers)
         self._records.append(
             IntervalRecord(
@@ -245,6 +242,7 @@ class Monitor:
                 step=step,
                 step_time_s=step_time_s,
                 slowdown_reasons=set(w.slowdown_reasons),
+                host_weighted=weighted,
             )
         )
         self._last_step = step
@@ -328,7 +326,7 @@ class Monitor:
                 energy_j, source = (now_mj - self._energy_start_mj) / 1000.0, "nvml_total_energy_counter"
             elif self.gpu is not None and run.integrated_energy_j() is not None:
                 energy_j, source = run.integrated_energy_j(), "power_samples_integrated"
-            hw = self._host_weighted
+            hw = self._host_means()
             out: dict[str, Any] = {
                 "gpu_name": self.gpu.name if self.gpu else None,
                 "gpu_uuid": self.gpu.uuid if self.gpu else None,
@@ -342,14 +340,13 @@ class Monitor:
                 "throttle_slow_step_rule": (
                     f"interval step time > {SLOW_STEP_FACTOR:.2f} x median while a slowdown reason was reported"
                 ),
-                **{f"{k}_mean": rounded(hw[k][0] / hw[k][1]) if hw[k][1] else None for k in ("host_cpu_pct", "proc_cpu_pct")},
+                **{f"{k}_mean": hw[k] for k in ("host_cpu_pct", "proc_cpu_pct")},
+                "host_cpu_window": self._host_window(),
                 "gpu_other_processes_max": self._gpu_others,
                 "interval_step_times_s": [rounded_sig(r.step_time_s) for r in self._records if r.step_time_s],
                 "rss_mib_max": rounded(run.agg("rss_mib").max),
                 "workers_max": self._workers_max,
-                "workers_cpu_pct_mean": (
-                    rounded(hw["workers_cpu_pct"][0] / hw["workers_cpu_pct"][1]) if hw["workers_cpu_pct"][1] else None
-                ),
+                "workers_cpu_pct_mean": hw["workers_cpu_pct"],
                 "monitor_samples": run.samples,
                 "monitor_sample_interval_s": self.interval_s,
                 "monitor_wall_s": round(time.perf_counter() - self._run_t0, 3),
@@ -360,6 +357,26 @@ class Monitor:
                 "monitor_collect_s": rounded_sig(self.collect_s),
                 "monitor_overhead_s": rounded_sig(self.sampler_cpu_s + self.collect_s),
             }
+        return out
+
+
+    def _steady(self) -> list[IntervalRecord]:
+        """The intervals the run's host CPU means cover: those with a step time (the warm-up's
+        compilation, with its compile-worker processes, would read as another process's CPU),
+        or every interval where none has one yet."""
+        steady = [r for r in self._records if r.step_time_s is not None]
+        return steady or self._records
+
+    def _host_window(self) -> str:
+        return "steady intervals" if any(r.step_time_s is not None for r in self._records) else "all intervals"
+
+    def _host_means(self) -> dict[str, float | None]:
+        """Time-weighted means of the host CPU figures over :meth:`_steady`'s intervals."""
+        out: dict[str, float | None] = {}
+        for key in ("host_cpu_pct", "proc_cpu_pct", "workers_cpu_pct"):
+            parts = [r.host_weighted[key] for r in self._steady() if key in r.host_weighted]
+            seconds = sum(dt for _, dt in parts)
+            out[key] = rounded(sum(v for v, _ in parts) / seconds) if seconds else None
         return out
 
 
