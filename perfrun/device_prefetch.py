@@ -18,14 +18,13 @@ The order of batches is the source's (nothing is dropped, reordered or repeated)
 last handed over was read (not the batch already read ahead), so a checkpoint resumes on
 exactly the next batch.
 
-How long the consumer waited for each copy is timed on the device by a pair of CUDA
-events around its wait and read later, without a sync (:meth:`DevicePrefetcher.pop_wait_ms`):
-the GPU-starvation figure. On the CPU (or with ``ahead=False``) it is a pass-through.
+How long the GPU waited for each batch (the copy's landing and the host's reading of the
+next batch alike) is timed by the caller around each hand-off (perfrun/handoff_timer.py).
+On the CPU (or with ``ahead=False``) it is a pass-through.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -66,8 +65,6 @@ class DevicePrefetcher:
         self._stream = torch.cuda.Stream(device) if self.cuda and self.ahead else None
         self._next: _Staged | None = None  # the batch read ahead; None once the source is exhausted
         self._started = False
-        self._waits: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()
-        self._wait_ms: list[float] = []
 
     def __iter__(self) -> DevicePrefetcher:
         return self
@@ -93,13 +90,6 @@ class DevicePrefetcher:
         """The source's position after the last batch handed over (what a checkpoint saves)."""
         return self._position
 
-    def pop_wait_ms(self) -> list[float]:
-        """Milliseconds the consumer's stream waited for each finished hand-off since the last
-        call (hand-offs the GPU has not reached yet are read next time); empty on the CPU."""
-        self._harvest()
-        done, self._wait_ms = self._wait_ms, []
-        return done
-
     def _stage(self) -> _Staged | None:
         """Read the next host batch and, on CUDA, start its copy on the side stream."""
         try:
@@ -117,22 +107,11 @@ class DevicePrefetcher:
         return _Staged(batch, position, ready)
 
     def _hand_over(self, staged: _Staged) -> Batch:
-        """Make the consumer's stream wait for the copy (on the device) and time that wait."""
+        """Make the consumer's stream wait for the copy (on the device, not the host)."""
         if staged.ready is None:
             return staged.batch
         consumer = torch.cuda.current_stream(self.device)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record(consumer)
         consumer.wait_event(staged.ready)
-        end.record(consumer)
         for t in staged.batch:
             t.record_stream(consumer)
-        self._waits.append((start, end))
-        self._harvest()
         return staged.batch
-
-    def _harvest(self) -> None:
-        """Read the event pairs the GPU has passed (``query`` does not block)."""
-        while self._waits and self._waits[0][1].query():
-            start, end = self._waits.popleft()
-            self._wait_ms.append(start.elapsed_time(end))

@@ -18,6 +18,7 @@ from perfrun.config import ConfigError
 from perfrun.data.synthetic import SyntheticTokens
 from perfrun.device_prefetch import DevicePrefetcher
 from perfrun.device_synthetic import DeviceSyntheticStream
+from perfrun.handoff_timer import HandOffTimer
 from perfrun.knobs import Plan
 from perfrun.telemetry.step_metrics import StepMetrics
 
@@ -45,6 +46,7 @@ class BatchStream:
         self.epoch = self.consumed = 0  # the host source's position (on CUDA: one batch ahead of the loop)
         self._it: Any = None  # made by start(): the loader's workers start there
         self._ahead: DevicePrefetcher | DeviceSyntheticStream | None = None  # CUDA only
+        self.timer = HandOffTimer(self.device)  # the GPU's waits for its batches (CUDA)
 
     @property
     def input_path(self) -> str:
@@ -68,13 +70,18 @@ class BatchStream:
     def next(self) -> Any:
         return self._read_host() if self._ahead is None else next(self._ahead)
 
+    def take(self) -> tuple[torch.Tensor, ...]:
+        """The next batch, on the device, its hand-off timed on the device (CUDA)."""
+        with self.timer.hand_off():
+            return tuple(t.to(self.device, non_blocking=True) for t in self.next())
+
     def position(self) -> dict[str, int]:
         return self._host_position() if self._ahead is None else self._ahead.position()
 
     def pop_gpu_wait_ms(self) -> list[float] | None:
-        """The device's waits for each batch copy since the last call (see
-        :meth:`DevicePrefetcher.pop_wait_ms`); None where no copy is prefetched."""
-        return self._ahead.pop_wait_ms() if isinstance(self._ahead, DevicePrefetcher) else None
+        """How long the GPU waited for each batch since the last call (:class:`HandOffTimer`);
+        None off CUDA."""
+        return self.timer.pop_ms()
 
     def _read_host(self) -> Any:
         try:
@@ -131,9 +138,8 @@ class TrainStep:
         step_loss = torch.zeros((), device=device)
         for i in range(micro):
             t = time.perf_counter()
-            x, y = self.stream.next()
+            x, y = self.stream.take()
             wait += time.perf_counter() - t
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             mark("data")
             with plan.micro_step_context(i, micro):  # DDP, FSDP: gradients synchronised on the last only
                 with plan.forward_context():

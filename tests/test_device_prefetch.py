@@ -4,6 +4,7 @@ host sync; synthetic batches made on the device are a pure function of (seed, in
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -12,6 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from perfrun.device_prefetch import DevicePrefetcher
 from perfrun.device_synthetic import DeviceSyntheticStream, batch_seed
+from perfrun.handoff_timer import HandOffTimer
 
 CPU = torch.device("cpu")
 
@@ -46,7 +48,7 @@ def test_cpu_is_a_pass_through() -> None:
     assert not pre.ahead
     got = list(pre)
     assert all(a is x and b is y for (a, b), (x, y) in zip(got, source, strict=True))  # the same tensors
-    assert pre.handed == 4 and pre.pop_wait_ms() == []
+    assert pre.handed == 4
 
 
 @pytest.mark.parametrize("ahead", [False, True])
@@ -103,10 +105,36 @@ def test_cuda_overlap_hands_over_exact_values_without_a_host_sync() -> None:
     got = torch.stack(sums).cpu()
     want = torch.stack([torch.stack([x.sum(), y.sum()]) for x, y in host])
     assert torch.equal(got, want)
+    assert pre.position() == len(host)
+
+
+@pytest.mark.gpu
+def test_the_gpu_wait_counts_a_host_late_with_its_batch_not_one_that_kept_up() -> None:
+    """The hand-off timer's two events sit on the compute stream with nothing between them:
+    a host that reads its batch after the GPU ran dry shows that idle time; a host that
+    read it while the GPU was still busy with queued work shows (almost) none."""
+    device = torch.device("cuda")
+    timer = HandOffTimer(device)
+    torch.cuda.synchronize()  # the GPU has nothing queued: it waits for the host from now on
+    with timer.hand_off():
+        time.sleep(0.05)  # a slow source: at least 50 ms during which the GPU has no work
+    work = torch.randn(4096, 4096, device=device)
+    for _ in range(100):  # queued work the host returns from at once (a step the GPU is busy with)
+        work = torch.tanh(work @ work)
+    with timer.hand_off():
+        pass  # the batch was ready: the host is back before the GPU reaches the hand-off
     torch.cuda.synchronize()
-    waits = pre.pop_wait_ms()
-    assert len(waits) == len(host) and all(w >= 0 for w in waits)
-    assert pre.pop_wait_ms() == [] and pre.position() == len(host)
+    late, kept_up = timer.pop_ms()
+    assert late >= 45.0  # the sleep is a lower bound, whatever else the machine does
+    assert kept_up < late
+    assert timer.pop_ms() == []
+
+
+def test_off_cuda_the_hand_off_timer_times_nothing() -> None:
+    timer = HandOffTimer(CPU)
+    with timer.hand_off():
+        pass
+    assert timer.pop_ms() is None
 
 
 def stream(**kw: int) -> DeviceSyntheticStream:

@@ -8,8 +8,10 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from perfrun import report
+from perfrun.handoff_timer import HandOffTimer
 from perfrun.report.noise import effect, spread
 from perfrun.telemetry import contention
 
@@ -163,13 +165,61 @@ def test_contention_verdict_on_planted_figures() -> None:
     assert contention.assess({}, cpus=2)["contended"] is None  # nothing measured: unknown, not "no"
 
 
+class Timeline:
+    """A hand-built device timeline: the host's clock moves by hand; work queued on the stream
+    runs after the work before it; an event completes when the device reaches it."""
+
+    def __init__(self) -> None:
+        self.host = 0.0  # ms
+        self.busy_until = 0.0
+
+    def queue(self, ms: float) -> None:
+        self.busy_until = max(self.host, self.busy_until) + ms
+
+    def event(self) -> Event:
+        return Event(self)
+
+
+class Event:
+    def __init__(self, timeline: Timeline) -> None:
+        self.timeline, self.t = timeline, None
+
+    def record(self, stream: object) -> None:
+        self.t = max(self.timeline.host, self.timeline.busy_until)
+
+    def query(self) -> bool:
+        return self.t is not None and self.t <= max(self.timeline.host, self.timeline.busy_until)
+
+    def elapsed_time(self, other: Event) -> float:
+        return other.t - self.t
+
+
+def waits_on_a_timeline(read_ms: list[float]) -> tuple[list[float], float]:
+    """Steps of 100 ms of device work; before each, the host reads its batch for ``read_ms``
+    inside the hand-off, then takes 1 ms to queue the step. Returns the timer's waits and the
+    device's total time."""
+    tl = Timeline()
+    timer = HandOffTimer(torch.device("cpu"), new_event=tl.event, stream=lambda: None)
+    for ms in read_ms:
+        with timer.hand_off():
+            tl.host += ms
+        tl.host += 1.0
+        tl.queue(100.0)
+    tl.host = tl.busy_until  # the device has passed every hand-off
+    return timer.pop_ms(), tl.busy_until
+
+
 def test_gpu_starvation_from_a_hand_built_timeline() -> None:
-    # (previous step's end, its batch landed, its own end) in ms: the GPU waited 0, 5 and 15 ms
-    timeline = [(0.0, 0.0, 100.0), (100.0, 105.0, 200.0), (200.0, 215.0, 300.0), (300.0, 250.0, 400.0)]
-    waits, steps = contention.starvation_from_timeline(timeline)
-    assert waits == [0.0, 5.0, 15.0, 0.0] and steps == [100.0] * 4
-    assert contention.gpu_starved_pct(waits, steps) == pytest.approx(5.0)
-    assert contention.gpu_starved_pct([0.0] * 4, steps) == 0.0  # synthetic data: never waits
+    """The hand-off timer on a hand-built timeline. A host that reads each batch in 20 ms
+    while the device runs 100 ms steps never starves it (only the first batch, with nothing
+    queued yet, is waited for); one that needs 150 ms leaves the device idle 50 ms a step."""
+    kept_up, kept_up_total = waits_on_a_timeline([5.0, 20.0, 20.0, 20.0])
+    assert kept_up == pytest.approx([5.0, 0.0, 0.0, 0.0])
+    slow, total = waits_on_a_timeline([5.0, 150.0, 150.0, 150.0])
+    assert slow == pytest.approx([5.0, 50.0, 50.0, 50.0]) and total == pytest.approx(559.0)
+    assert contention.gpu_starved_pct(slow, [total]) == pytest.approx(100.0 * 155.0 / 559.0)
+    assert kept_up_total == pytest.approx(406.0)
+    assert contention.gpu_starved_pct(kept_up, [kept_up_total]) == pytest.approx(100.0 * 5.0 / 406.0)
     assert contention.gpu_starved_pct([], []) is None
 
 
@@ -188,3 +238,36 @@ def test_loss_parity_calibrated_by_seeds_flags_a_10x_learning_rate_not_bf16(tmp_
     assert a["seed_gap"] is not None and a["seed_gap"] > 0
     assert rungs["bf16"]["parity"] == "ok", (rungs["bf16"]["loss_rel_diff"], a["loss_tolerance"])
     assert rungs["bf16_lr10x"]["parity"] == "FLAGGED", (rungs["bf16_lr10x"]["loss_rel_diff"], a["loss_tolerance"])
+
+
+def test_a_rung_that_cannot_act_here_is_skipped_and_shown_not_applicable(tmp_path: Path) -> None:
+    """FP8 on a CPU: the job trains nothing, says why in its summary, does not fail the
+    sweep, and the ladder shows the rung as not applicable, never as a measurement."""
+    from perfrun.sweep import failed_jobs
+    from perfrun.train import run
+
+    from conftest import make_cfg
+
+    plant_ladder(tmp_path)
+    overrides = ["+ablation=fp8", "max_steps=40", "repeat=0"]
+    s = run(make_cfg(*overrides), tmp_path / "fp8", overrides=overrides)
+    assert s["status"] == "skipped" and "FP8 tensor cores" in s["reason"] and s["reason"].startswith("not applicable on cpu")
+    written = json.loads((tmp_path / "fp8" / "summary.json").read_text())
+    assert written["status"] == "skipped" and written["config"]["precision"]["name"] == "bf16"
+    assert not (tmp_path / "fp8" / "metrics.jsonl").exists()  # nothing trained
+    assert failed_jobs(tmp_path) == []
+    (a,) = report.load([tmp_path]).ablations
+    fp8 = next(e for e in a["ladder"] if e["rung"] == "fp8")
+    assert not fp8["applicable"] and fp8["n"] == 0 and fp8["failed"] == 0 and fp8["tokens_per_s"] is None
+    assert fp8["verdict"].startswith("not applicable on cpu: FP8 matmuls need FP8 tensor cores")
+
+
+def test_where_a_rung_acts_is_decided_per_device() -> None:
+    from perfrun.resolvers import device_kind, if_fp8, rung_applies
+
+    assert rung_applies("any", "cpu") and not rung_applies("cuda", "cpu") and not rung_applies("fp8", "cpu")
+    assert rung_applies("cuda", "cuda:1")  # the device named, whatever this machine has
+    assert if_fp8("cpu", "fp8", "bf16") == "bf16"
+    assert device_kind("cpu") == "cpu" and device_kind("cuda:1") == "cuda" and device_kind("mps") == "mps"
+    with pytest.raises(ValueError, match="choose one of any, cuda, fp8"):
+        rung_applies("gpu", "cpu")

@@ -107,14 +107,3 @@ def gpu_starved_pct(hand_off_waits_ms: Sequence[float], step_times_ms: Sequence[
     if not step_times_ms or total <= 0:
         return None
     return 100.0 * min(sum(max(0.0, w) for w in hand_off_waits_ms), total) / total
-
-
-def starvation_from_timeline(events: Sequence[tuple[float, float, float]]) -> tuple[list[float], list[float]]:
-    """Hand-off waits and step times (ms) from a device timeline: per step, the time the
-    previous step's work ended, the time its batch landed on the device, and its own end.
-    The GPU waited from the previous end until the batch landed, if it landed later."""
-    waits, steps = [], []
-    for prev_end, batch_ready, end in events:
-        waits.append(max(0.0, batch_ready - prev_end))
-        steps.append(end - prev_end)
-    return waits, steps

@@ -305,9 +305,9 @@ class StepMetrics:
         self.interval_start = done
 
     def _gpu_starved_pct(self, first: int, done: int, seconds: float) -> float | None:
-        """Percent of steps ``first..done-1``'s device time spent waiting for batch copies
-        (read after the timer's flush: the device has passed those steps); None without
-        a prefetching copy (the CPU, data drawn on the device)."""
+        """Percent of steps ``first..done-1``'s device time the GPU spent waiting for its
+        batches (perfrun/handoff_timer.py; read after the timer's flush: the device has passed
+        those steps); None off CUDA."""
         new = self.gpu_waits()
         if new is not None:
             self.gpu_wait_ms = (self.gpu_wait_ms or []) + new
