@@ -191,7 +191,7 @@ class AblationConfig:
     kind: str = ""  # ladder | without | alternative | tradeoff | seed
     step: int = 0  # ladder: its place from the naive trainer (0) up
     knob: str = ""  # without: the knob turned off; alternative: the rung it stands in for
-    acts_on: str = "any"  # any | cuda: the device the rung's knob can act on
+    acts_on: str = "any"  # any | cuda | fp8 (FP8 tensor cores): where the rung's knob can act
     why: str = ""  # what the knob does (and why it cannot act elsewhere)
     repeats: int = 3  # +sweep=ablation: jobs per rung (repeat=0..repeats-1, interleaved)
 
@@ -287,6 +287,7 @@ CHOICES = {
     "sdpa_backend": ("auto", "flash", "efficient", "cudnn", "math"),
     "progress": ("auto", "bar", "plain", "off"),
     "distributed": ("none", "ddp", "fsdp"),
+    "ablation.acts_on": resolvers.ACTS_ON,
 }
 
 

@@ -28,6 +28,13 @@ def _cuda_index(device: str) -> int | None:
     return int(device.split(":", 1)[1]) if ":" in device else 0
 
 
+def device_kind(device: str) -> str:
+    """``cuda`` where ``device`` trains on CUDA, else the device's type (``auto`` without a GPU: cpu)."""
+    if _cuda_index(device) is not None:
+        return "cuda"
+    return "cpu" if str(device) == "auto" else str(device).split(":", 1)[0]
+
+
 def if_cuda(device: str, on_cuda: Any, otherwise: Any) -> Any:
     """``${perfrun.if_cuda:${device},A,B}``: A where ``device`` trains on CUDA, else B."""
     return on_cuda if _cuda_index(device) is not None else otherwise
@@ -47,6 +54,22 @@ def has_fp8(device: str) -> bool:
 def if_fp8(device: str, on_fp8: Any, otherwise: Any) -> Any:
     """``${perfrun.if_fp8:${device},A,B}``: A where ``device`` can train in FP8, else B."""
     return on_fp8 if has_fp8(device) else otherwise
+
+
+#: where a rung's knob can act (conf/ablation/*.yaml ``ablation.acts_on``)
+ACTS_ON = ("any", "cuda", "fp8")
+
+
+def rung_applies(acts_on: str, device: str) -> bool:
+    """Whether a ladder rung whose knob acts on ``acts_on`` changes anything on ``device``:
+    a rung that cannot is skipped as not applicable rather than measured as noise."""
+    if acts_on in ("any", "", None):
+        return True
+    if acts_on == "cuda":
+        return _cuda_index(device) is not None
+    if acts_on == "fp8":
+        return has_fp8(device)
+    raise ValueError(f"ablation.acts_on={acts_on} is not an option; choose one of {', '.join(ACTS_ON)}")
 
 
 def register() -> None:

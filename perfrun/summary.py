@@ -12,7 +12,8 @@ from typing import Any, Literal, TypedDict
 
 SUMMARY_FILE = "summary.json"
 
-Status = Literal["running", "completed", "interrupted", "failed"]
+# skipped: a ladder rung whose knob cannot act on this device (perfrun/train.py: _skip_rung)
+Status = Literal["running", "completed", "interrupted", "failed", "skipped"]
 
 
 class RunSummary(TypedDict, total=False):

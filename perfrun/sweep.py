@@ -19,7 +19,8 @@ from omegaconf import DictConfig, OmegaConf
 
 def failed_jobs(sweep_dir: Path) -> list[str]:
     """The jobs under ``sweep_dir`` that did not complete, as their summary.json (or its
-    absence) tells: ``job N (overrides): reason``. Empty when the folder holds no job."""
+    absence) tells: ``job N (overrides): reason``. Empty when the folder holds no job. A
+    ladder rung skipped as not applicable on the device did not fail."""
     from perfrun.report import ReportError, load
 
     try:
@@ -27,7 +28,7 @@ def failed_jobs(sweep_dir: Path) -> list[str]:
     except ReportError:
         return []
     return [f"job {r.job} ({' '.join(r.overrides)}): {r.reason or r.status}"
-            for r in report.rows if r.status != "completed"]
+            for r in report.rows if r.status not in ("completed", "skipped")]
 
 
 def saves_no_checkpoints(config: DictConfig) -> bool:

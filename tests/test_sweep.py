@@ -140,14 +140,17 @@ def test_out_of_memory_job_does_not_stop_the_sweep_nor_leak(
     assert [row["status"] for row in data["rows"]] == ["completed", "failed", "completed"]
 
 
-LADDER = ["naive", "tf32", "bf16", "sdpa", "fused_adamw", "compile", "workers"]
+LADDER = ["naive", "tf32", "bf16", "sdpa", "fused_adamw", "compile", "workers", "device_input", "chunked_loss",
+          "compile_mode", "fp8"]
+NOT_HERE = ("tf32", "compile_mode", "fp8")  # knobs that change nothing in a CPU job's configuration
 
 
 def knobs(cfg) -> dict:  # noqa: ANN001
     return {"precision": cfg.precision.name, "tf32": cfg.precision.tf32, "attention": cfg.attention,
             "fused": cfg.optim.fused, "compile": cfg.compile, "workers": cfg.dataloader.num_workers,
             "checkpointing": cfg.checkpointing.name, "accumulation": cfg.accumulation.steps,
-            "batch": cfg.dataloader.batch_size}
+            "batch": cfg.dataloader.batch_size, "device_input": cfg.dataloader.device_input, "loss": cfg.loss.name,
+            "mode": cfg.compile_options.mode}
 
 
 def test_ablation_preset_composes_a_cumulative_ladder_leave_one_out_and_tradeoffs() -> None:
@@ -158,6 +161,7 @@ def test_ablation_preset_composes_a_cumulative_ladder_leave_one_out_and_tradeoff
         choices = [c.strip() for c in params["+ablation"].split(",")]
         cfgs = {c: compose("train", overrides=["+sweep=ablation", f"+ablation={c}"]) for c in choices}
         on_cuda = compose("train", overrides=["+sweep=ablation", "+ablation=bf16", "device=cuda"])
+        mode_on_cuda = compose("train", overrides=["+sweep=ablation", "+ablation=compile_mode", "device=cuda"])
         default_seed = compose("train").seed
     # one job per (repeat, rung), the repeat first so that the rungs vary fastest; 5 repeats off CUDA
     assert list(params) == ["repeat", "+ablation"] and params["repeat"] == "range(0,5)"
@@ -167,15 +171,18 @@ def test_ablation_preset_composes_a_cumulative_ladder_leave_one_out_and_tradeoff
     # each rung adds exactly one knob to the rung below (tf32 adds none off CUDA: not applicable there)
     added = {c: {k for k, v in knobs(cfgs[c]).items() if v != knobs(cfgs[b])[k]} for b, c in pairwise(LADDER)}
     assert added == {"tf32": set(), "bf16": {"precision"}, "sdpa": {"attention"}, "fused_adamw": {"fused"},
-                     "compile": {"compile"}, "workers": {"workers"}}
+                     "compile": {"compile"}, "workers": {"workers"}, "device_input": {"device_input"},
+                     "chunked_loss": {"loss"}, "compile_mode": set(), "fp8": set()}
     assert cfgs["tf32"].ablation.acts_on == "cuda" and "CUDA" in cfgs["tf32"].ablation.why
+    assert mode_on_cuda.compile_options.mode == "max-autotune-no-cudagraphs"
+    assert cfgs["fp8"].ablation.acts_on == "fp8" and cfgs["fp8"].precision.name == "bf16"  # no FP8 tensor cores here
     assert knobs(cfgs["naive"]) == {"precision": "none", "tf32": False, "attention": "eager", "fused": "false",
                                     "compile": False, "workers": 0, "checkpointing": "none", "accumulation": 1,
-                                    "batch": 8}
-    top = knobs(cfgs["workers"])
+                                    "batch": 8, "device_input": False, "loss": "standard", "mode": "default"}
+    top = knobs(cfgs["fp8"])
     for c in (c for c in choices if c.startswith("without_")):  # the top with one knob off
         gone = {k for k, v in knobs(cfgs[c]).items() if v != top[k]}
-        assert gone == added[cfgs[c].ablation.knob] or cfgs[c].ablation.knob == "tf32", c
+        assert gone == added[cfgs[c].ablation.knob] or cfgs[c].ablation.knob in NOT_HERE, c
     assert {k for k, v in knobs(cfgs["fp16"]).items() if v != knobs(cfgs["tf32"])[k]} == {"precision"}
     assert cfgs["fp16"].ablation.kind == "alternative" and cfgs["fp16"].ablation.knob == "bf16"
     assert cfgs["naive_seed"].seed != default_seed and knobs(cfgs["naive_seed"]) == knobs(cfgs["naive"])

@@ -95,7 +95,7 @@ def run_columns(report: Report) -> list[Column]:
 
 def run_mark(r: Row) -> str | None:
     """How a job's row stands out: the best, or one that did not complete or shared the machine."""
-    return "best" if r.best else ("bad" if r.status != "completed" or r.contended else None)
+    return "best" if r.best else ("bad" if r.status not in ("completed", "skipped") or r.contended else None)
 
 
 def _tps_cell(e: dict[str, Any]) -> str:

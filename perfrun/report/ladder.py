@@ -98,8 +98,14 @@ class _Rungs:
         return self.by_rung[rung][0].ablation
 
     def applicable(self, rung: str) -> bool:
+        """Whether the rung's knob acts on the sweep's device: its jobs were not skipped (the
+        job decides, perfrun/resolvers.py: rung_applies), and, for a sweep whose jobs ran
+        every rung, ``acts_on`` names the device (fp8: a CUDA device whose jobs ran)."""
+        rows = self.by_rung.get(rung, [])
+        if rows and all(r.status == "skipped" for r in rows):
+            return False
         acts_on = self.meta(rung).get("acts_on", "any")
-        return acts_on in ("any", "", None) or acts_on == self.device
+        return acts_on in ("any", "", None) or acts_on == self.device or (acts_on == "fp8" and self.device == "cuda")
 
     def tps(self, rung: str) -> Spread:
         return spread(r.tokens_per_s for r in self.counted(rung)) if rung in self.by_rung and self.applicable(rung) \
@@ -134,7 +140,7 @@ def _entry(rs: _Rungs, rung: str, against: Spread | None = None, base: Spread | 
     out = {
         "rung": rung, "kind": meta.get("kind"), "step": meta.get("step"), "knob": meta.get("knob") or None,
         "why": meta.get("why"), "jobs": [r.job for r in rows], "n": tps.n,
-        "contended": sum(1 for r in rows if r.contended), "failed": sum(1 for r in rows if r.status != "completed"),
+        "contended": sum(1 for r in rows if r.contended), "failed": sum(1 for r in rows if r.status not in ("completed", "skipped")),
         "applicable": rs.applicable(rung),
         "tokens_per_s": tps.median, "tokens_per_s_min": tps.lo, "tokens_per_s_max": tps.hi, "spread_pct": tps.half_pct,
         "vs_below": e_below.ratio, "vs_below_noise_pct": e_below.noise_pct, "vs_below_measurable": e_below.measurable,

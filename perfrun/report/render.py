@@ -187,7 +187,8 @@ def header(report: Report) -> list[str]:
 def notes(report: Report) -> list[str]:
     """Lines printed under the tables: why jobs failed, which shared the machine, ladder notes
     and each ladder's verdict, the line to paste."""
-    lines = [f"{r.job}: {r.status}: {r.reason}" for r in report.rows if r.status != "completed" and r.reason]
+    lines = [f"{r.job}: {r.status}: {r.reason}" for r in report.rows
+             if r.status not in ("completed", "skipped") and r.reason]  # skipped rungs: the ladder says why
     lines += [f"{r.job}: contended, never ranked: {'; '.join(r.contention)}" for r in report.rows
               if r.contended and not r.ablation.get("rung")]
     for a in report.ablations:
