@@ -19,7 +19,9 @@ scripts/bench_train.py (kept as it is: no new knob reaches it) and perfrun with:
 A variant that cannot run here is skipped with the reason. Printed per variant: the
 median over repeats of the mean tokens/s after the warm-up, its ratio to the plain loop,
 the bf16-equivalent MFU (nanoGPT's FLOPs per token x tokens/s over the H100's 989.5 TFLOPS
-dense bf16, whatever the device and dtype) and the peak memory.
+dense bf16, whatever the device and dtype) and the peak memory. ``--profile-best DIR`` then
+runs the fastest perfrun variant once more under the profiler (``profile=true``) into DIR
+and prints its top kernels by device time (DIR/profile/top_ops.txt; host time on the CPU).
 """
 
 from __future__ import annotations
@@ -113,6 +115,8 @@ def main() -> int:
     ap.add_argument("--all-mode", default="max-autotune-no-cudagraphs", choices=("default", *COMPILE_MODES),
                     help="the compile mode of the 'all' rows")
     ap.add_argument("--json", type=Path, help="also write the figures here")
+    ap.add_argument("--profile-best", type=Path, metavar="DIR",
+                    help="profile the fastest perfrun variant into DIR and print its top kernels")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
 
@@ -144,7 +148,21 @@ def main() -> int:
     result = report(rows, base, skipped, args)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2, default=str))
+    if args.profile_best:
+        profile_best(result["table"], dict(plan), common, args.profile_best)
     return 0
+
+
+def profile_best(table: dict[str, dict[str, Any]], plan: dict[str, list[str]], common: list[str], out: Path) -> None:
+    """The fastest perfrun variant (by median tokens/s) once more, profiled from step 10 of 16."""
+    best = max((n for n in table if n in plan), key=lambda n: table[n]["tokens_per_s"])
+    knobs = [*plan[best], "max_steps=16", "timing_warmup_steps=5", "eval_every=16", "profile=true",
+             "profiler.start_step=10"]
+    print(f"profiled: {best} ({' '.join(plan[best]) or 'the base'}) into {out}")
+    run(compose_cfg([*common, *knobs]), out)
+    top = out / "profile" / "top_ops.txt"
+    print(f"top kernels of {best} ({top}):")
+    print(top.read_text() if top.is_file() else f"no {top.name}: the profiler wrote nothing there")
 
 
 def report(rows: list[dict[str, Any]], base: Any, skipped: dict[str, str], args: argparse.Namespace) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # perfrun's GPU benchmarks, by suite, into one output folder.
 #
-#   scripts/gpu_bench.sh [--out DIR] SUITE [SUITE ...]
+#   scripts/gpu_bench.sh [--dry-run] [--out DIR] SUITE [SUITE ...]
 #
 # Suites (each writes its logs and JSON under DIR, default outputs/benchmarks/DATE_TIME):
 #   tests          pytest -m gpu (every GPU-only test)
@@ -14,15 +14,36 @@
 #   fsdp-cost      FSDP2's one-GPU cost: reshard_after_forward, gpt2-medium, profiled steps
 #   generate       scripts/bench_generate.py (where present)
 #   speed          scripts/bench_speed.py: the speed knobs (device input, loss=chunked, fp8, compile
-#                  modes, all of them) against the plain nanoGPT-recipe loop; gpt2 and the tiny model
+#                  modes, all of them) against the plain nanoGPT-recipe loop; gpt2 and the tiny model;
+#                  the fastest gpt2 variant profiled (its top kernels)                    (~8 min)
+#   ladder-gpt2    +sweep=ablation, GPT-2 124M, synthetic, seq 1024, batch 16, 1 repeat   (~8 min)
+#   ladder-tiny    +sweep=ablation, the default model on pysource, 2 repeats              (~5 min)
+#                  each ladder call runs the ladder once into DIR/ladder_NAME_N and writes its
+#                  perfrun report --markdown; call it again with the same --out and the second
+#                  call compares the two runs rung by rung (scripts/compare_ladders.py)
+#   starvation     scripts/bench_starvation.py: gpu_starved_pct for synthetic, memmap, and a slow
+#                  host source with 0 and 2 workers, GPT-2 at batch 16                    (~3 min)
+#   speed-loss     loss=standard vs chunked, compiled, at batch 16 and at the largest batch
+#                  each allows (dataloader.batch_size=auto): peak memory and tokens/s      (~5 min)
+#   speed-fp8      fp8 vs bf16 loss parity over 300 steps (pysource, synthetic), and fp8 vs
+#                  bf16 tokens/s on gpt2, gpt2-medium, gpt2-large                          (~8 min)
 #   all            every suite above, in that order
 #
-# Run from the repository's root. Python is python3 unless PYTHON is set; the checkout is put
-# on PYTHONPATH, so perfrun need not be installed. The last lines printed are a short digest.
+# The minutes are estimates for an H100/H200 (not measured yet). --dry-run prints the commands a
+# suite would run (DIR shown as $OUT) and runs none of them. Run from the repository's root.
+# Python is python3 unless PYTHON is set; the checkout is put on PYTHONPATH, so perfrun need not
+# be installed. The last lines printed are a short digest.
 set -uo pipefail
 OUT_DIR="outputs/benchmarks/$(date +%Y-%m-%d_%H-%M-%S)"
-if [ "${1:-}" = "--out" ]; then OUT_DIR="$2"; shift 2; fi
-[ $# -gt 0 ] || { sed -n 2,21p "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+DRY=false
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --dry-run) DRY=true; shift ;;
+    --out) OUT_DIR="$2"; shift 2 ;;
+    *) break ;;
+  esac
+done
+[ $# -gt 0 ] || { sed -n 2,35p "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 PY=${PYTHON:-python3}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PERFRUN_CACHE=${PERFRUN_CACHE:-/tmp/perfrun-cache} COLUMNS=160
 GPT2="model=gpt2 data=synthetic dataloader.batch_size=16 device=cuda precision=bf16"
@@ -110,9 +131,10 @@ suite_generate() {
 
 suite_speed() {
   "$PY" scripts/bench_speed.py --steps 60 --warmup 20 --repeats 3 --json "$R/bench_speed_gpt2.json" \
-    $GPT2 compile=true > "$R/bench_speed_gpt2.txt" 2>&1
+    --profile-best "$R/profiled_best" $GPT2 compile=true > "$R/bench_speed_gpt2.txt" 2>&1
   echo "speed (gpt2) rc=$?" >> "$DIGEST"
   grep -E "^(plain|host|perfrun|loss|precision|mode|all|skipped)" "$R/bench_speed_gpt2.txt" >> "$DIGEST"
+  sed -n '/^profiled: /,/^Self CUDA time total/p' "$R/bench_speed_gpt2.txt" >> "$DIGEST"
   "$PY" scripts/bench_speed.py --steps 200 --warmup 50 --repeats 3 --json "$R/bench_speed_tiny.json" \
     model=tiny data=synthetic dataloader.batch_size=16 device=cuda precision=bf16 compile=true \
     > "$R/bench_speed_tiny.txt" 2>&1
@@ -120,12 +142,100 @@ suite_speed() {
   grep -E "^(plain|host|perfrun|loss|precision|mode|all|skipped)" "$R/bench_speed_tiny.txt" >> "$DIGEST"
 }
 
-ALL="tests gpu-check trainer monitor distributed compile-scope fsdp-cost generate speed"
+# One run of the ladder into $R/ladder_NAME_N (N: the first free number), its Markdown report,
+# and, from the second run on, the rung-by-rung comparison with the first.
+ladder() {  # ladder NAME GOAL_PCT OVERRIDES...
+  local name=$1 goal=$2 n=1
+  shift 2
+  while [ -e "$R/ladder_${name}_$n" ]; do n=$((n + 1)); done
+  local d="$R/ladder_${name}_$n"
+  "$PY" -m perfrun train -m +sweep=ablation "$@" progress=plain hydra.sweep.dir="$d" > "$d.txt" 2>&1
+  echo "ladder $name run $n rc=$?: $(grep -m1 -o 'verdict: .*' "$d.txt")" >> "$DIGEST"
+  "$PY" -m perfrun report "$d" --markdown > "$d.md" 2> "$d.report.err"
+  if [ "$n" -ge 2 ] || $DRY; then
+    $DRY && { echo "# from the second call with the same --out on:" >&3; d="$R/ladder_${name}_2"; }
+    "$PY" scripts/compare_ladders.py "$R/ladder_${name}_1" "$d" --goal "$goal" \
+      --json "$R/ladder_${name}_compare.json" > "$R/ladder_${name}_compare.txt" 2>&1
+    cat "$R/ladder_${name}_compare.txt" >> "$DIGEST"
+  else
+    echo "ladder $name: one run ($d, report $d.md); run this suite again with --out $R to compare two" >> "$DIGEST"
+  fi
+}
+
+suite_ladder_gpt2() {  # 21 rungs x 1 repeat, 13 of them compiled
+  ladder gpt2 3 model=gpt2 data=synthetic dataloader.batch_size=16 device=cuda ablation.repeats=1 \
+    max_steps=30 timing_warmup_steps=10 log_every=5 eval_every=0
+}
+
+suite_ladder_tiny() {  # the default model and data: 21 rungs x 2 repeats
+  ladder tiny 3 device=cuda ablation.repeats=2 max_steps=200 timing_warmup_steps=50 eval_every=0
+}
+
+suite_starvation() {  # the memmap corpus: this checkout's Python files, byte tokens (vocab 256)
+  find perfrun scripts tests -name '*.py' | LC_ALL=C sort | xargs cat > "$R/memmap_corpus.txt"
+  "$PY" -m perfrun prepare path="$R/memmap_corpus.txt" out="$R/memmap_corpus" tokenizer=byte progress=false \
+    > "$R/memmap_prepare.txt" 2>&1
+  "$PY" scripts/bench_starvation.py --memmap "$R/memmap_corpus" --steps 60 --warmup 20 --sleep-ms 2 \
+    --out "$R/starvation" --json "$R/starvation.json" $GPT2 compile=true > "$R/starvation.txt" 2>&1
+  echo "starvation rc=$?" >> "$DIGEST"
+  grep -E "^(base|case|synthetic|memmap|slow)" "$R/starvation.txt" >> "$DIGEST"
+}
+
+# A sweep and its Markdown table (perfrun report) into the digest.
+sweep() {  # sweep NAME OVERRIDES...
+  local name=$1
+  shift
+  "$PY" -m perfrun train -m "$@" checkpoint.at_end=false progress=plain monitor.every_n_steps=0 \
+    hydra.sweep.dir="$R/$name" > "$R/$name.txt" 2>&1
+  echo "$name rc=$?" >> "$DIGEST"
+  "$PY" -m perfrun report "$R/$name" --markdown > "$R/$name.md" 2> "$R/$name.report.err"
+  cat "$R/$name.md" >> "$DIGEST"
+}
+
+suite_speed_loss() {  # loss=standard vs chunked, compiled, at batch 16 and at the largest batch each allows
+  local base="model=gpt2 data=synthetic device=cuda precision=bf16 compile=true max_steps=60 timing_warmup_steps=20"
+  sweep loss_batch_16 repeat=0,1 loss=standard,chunked $base dataloader.batch_size=16 eval_every=0
+  sweep loss_batch_auto loss=standard,chunked $base dataloader.batch_size=auto eval_every=0
+}
+
+suite_speed_fp8() {  # loss parity fp8 vs bf16 over 300 steps; the synthetic pair gives gpt2's tokens/s too
+  for data in pysource synthetic; do
+    sweep "fp8_parity_$data" precision=bf16,fp8 model=gpt2 data=$data dataloader.batch_size=16 device=cuda \
+      compile=true max_steps=300 timing_warmup_steps=30 log_every=10 eval_every=0
+    "$PY" scripts/loss_parity.py "$R/fp8_parity_$data/0" "$R/fp8_parity_$data/1" > "$R/fp8_parity_$data.parity.txt" 2>&1
+    cat "$R/fp8_parity_$data.parity.txt" >> "$DIGEST"
+  done
+}
+
+suite_speed_fp8_size() {  # fp8 vs bf16 tokens/s on the wider models
+  for model in gpt2-medium gpt2-large; do
+    sweep "fp8_speed_$model" precision=bf16,fp8 model=$model data=synthetic dataloader.batch_size=16 device=cuda \
+      compile=true max_steps=40 timing_warmup_steps=15 eval_every=0
+  done
+}
+
+ALL="tests gpu-check trainer monitor distributed compile-scope fsdp-cost generate speed ladder-gpt2 ladder-tiny \
+starvation speed-loss speed-fp8 speed-fp8-size"
 SUITES=()
 for s in "$@"; do
   if [ "$s" = all ]; then SUITES+=($ALL); continue; fi
   case " $ALL " in *" $s "*) SUITES+=("$s") ;; *) echo "gpu_bench.sh: unknown suite $s; the suites are: $ALL all" >&2; exit 2 ;; esac
 done
+
+if $DRY; then  # every python3 call printed (on fd 3, past the suites' redirections), none run
+  exec 3>&1
+  R=$(mktemp -d) || exit 2
+  trap 'rm -rf "$R"' EXIT
+  dry_python() { local line="python3 $*"; echo "${line//$R/\$OUT}" >&3; }
+  PY=dry_python
+  DIGEST="$R/digest.txt"
+  echo "# gpu_bench.sh --dry-run: from the repository's root, with PYTHONPATH=\$PWD and OUT=$OUT_DIR"
+  for s in "${SUITES[@]}"; do
+    echo "== $s"
+    "suite_${s//-/_}" 2> /dev/null
+  done
+  exit 0
+fi
 R=$(mkdir -p "$OUT_DIR" && cd "$OUT_DIR" && pwd) || exit 2
 DIGEST="$R/digest.txt"
 machine

@@ -1,0 +1,160 @@
+"""The GPU benchmark's scripts on the CPU: every suite's commands printed by --dry-run (and
+their overrides composed, so a typo in a suite shows without a GPU), the ladder comparison
+on two planted sweep summaries, loss parity on planted metrics, and the starvation benchmark
+on a tiny model."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import pytest
+from hydra import compose, initialize_config_dir
+
+from perfrun.config import config_dir, register_configs
+
+from conftest import REPO
+
+SCRIPTS = REPO / "scripts"
+
+
+def script(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def dry_run(*suites: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(SCRIPTS / "gpu_bench.sh"), "--dry-run", *suites], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+
+
+def overrides(line: str) -> list[str]:
+    """The Hydra overrides of a printed perfrun train or bench script call: KEY=VALUE words that
+    are not an option's value, a sweep's first value, hydra.* keys left out (not composed)."""
+    words, out, skip = shlex.split(line), [], False
+    for w in words[1:]:
+        if skip or w.startswith("-"):
+            skip = w.startswith("--")
+            continue
+        if "=" in w and not w.startswith("hydra."):
+            key, value = w.split("=", 1)
+            out.append(f"{key}={value.split(',')[0] if ' -m ' in line else value}")
+    return out
+
+
+def test_dry_run_prints_every_suite_runs_nothing_and_its_overrides_compose(tmp_path: Path) -> None:
+    res = dry_run("all")
+    assert res.returncode == 0, res.stderr
+    suites = re.search(r'^ALL="(.*?)"$', (SCRIPTS / "gpu_bench.sh").read_text(), re.S | re.M)
+    assert suites
+    names = suites.group(1).replace("\\\n", " ").split()
+    headers = re.findall(r"^== (\S+)$", res.stdout, re.M)
+    assert headers == names and {"ladder-gpt2", "ladder-tiny", "starvation", "speed-loss", "speed-fp8"} <= set(names)
+    calls = [ln for ln in res.stdout.splitlines() if ln.startswith("python3 ")]
+    for name in names:  # every suite prints at least one command
+        block = res.stdout.split(f"== {name}\n", 1)[1].split("\n== ", 1)[0]
+        assert "python3 " in block, name
+    assert not any("/tmp" in ln for ln in calls) and all("outputs/benchmarks" not in ln for ln in calls)
+    trains = [ln for ln in calls if re.search(r"-m perfrun train |scripts/bench_\w+\.py ", ln)]
+    assert len(trains) >= 20
+    register_configs()
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+        for line in trains:  # a misspelt key or group fails here, as it would on the GPU machine
+            compose("train", overrides=overrides(line))
+    assert "compare_ladders.py $OUT/ladder_gpt2_1 $OUT/ladder_gpt2_2" in res.stdout
+    assert "--profile-best $OUT/profiled_best" in res.stdout
+    bad = dry_run("ladder-gtp2")
+    assert bad.returncode == 2 and "unknown suite ladder-gtp2" in bad.stderr and bad.stdout == ""
+
+
+def rung(name: str, tps: float | None, part_kind: str = "ladder", applicable: bool = True) -> dict[str, Any]:
+    return {"rung": name, "kind": part_kind, "applicable": applicable, "tokens_per_s": tps, "spread_pct": 1.0,
+            "verdict": "not applicable on cuda: planted" if not applicable else "1.00×"}
+
+
+def plant(folder: Path, ladder: list[dict[str, Any]], without: list[dict[str, Any]]) -> Path:
+    folder.mkdir()
+    one = {"ladder": ladder, "alternatives": [], "leave_one_out": without, "tradeoffs": [], "recommended": {}}
+    (folder / "sweep_summary.json").write_text(json.dumps({"rows": [], "ablation": [one], **one}))
+    return folder
+
+
+def test_compare_ladders_reads_the_rungs_from_the_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    compare = script("compare_ladders")
+    a = plant(tmp_path / "a", [rung("naive", 100.0), rung("tf32", None, applicable=False), rung("bf16", 400.0),
+                               rung("fp8_rung", 800.0)], [rung("without_bf16", 150.0, "without")])
+    b = plant(tmp_path / "b", [rung("naive", 102.0), rung("tf32", None, applicable=False), rung("bf16", 380.0),
+                               rung("fp8_rung", 800.0), rung("device_input", 900.0)],
+              [rung("without_bf16", 150.0, "without")])
+    assert compare.main([str(a), str(b / "sweep_summary.json"), "--goal", "3", "--json", str(tmp_path / "c.json")]) == 0
+    out = capsys.readouterr().out
+    rows = {r["rung"]: r for r in json.loads((tmp_path / "c.json").read_text())["rows"]}
+    assert list(rows) == ["naive", "tf32", "bf16", "fp8_rung", "without_bf16", "device_input"]
+    assert rows["naive"]["moved_pct"] == pytest.approx(2.0) and rows["naive"]["within_goal"] is True
+    assert rows["bf16"]["moved_pct"] == pytest.approx(-5.0) and rows["bf16"]["within_goal"] is False
+    assert rows["without_bf16"]["part"] == "leave_one_out" and rows["without_bf16"]["moved_pct"] == 0.0
+    assert rows["tf32"]["moved_pct"] is None and "not applicable" in rows["tf32"]["why_not"]
+    assert rows["device_input"]["why_not"] == "only in run B"
+    assert "3 of 4 rungs moved less than ±3%" in out and "largest move -5.0% (bf16)" in out
+
+
+def test_compare_ladders_refuses_what_is_not_a_ladder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    compare = script("compare_ladders")
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "sweep_summary.json").write_text(json.dumps({"rows": [], "ablation": []}))
+    assert compare.main([str(tmp_path / "plain"), str(tmp_path / "missing")]) == 2
+    err = capsys.readouterr().err
+    assert "has no ladder" in err and "+sweep=ablation" in err and len(err.strip().splitlines()) == 1
+    assert compare.main([str(tmp_path / "missing"), str(tmp_path / "plain")]) == 2
+    assert "cannot read" in capsys.readouterr().err
+
+
+def metrics(folder: Path, losses: dict[int, float]) -> Path:
+    folder.mkdir()
+    (folder / "metrics.jsonl").write_text("".join(json.dumps({"kind": "train", "step": s, "loss": v}) + "\n"
+                                                  for s, v in losses.items()))
+    return folder
+
+
+def test_loss_parity_compares_the_tail_of_two_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    parity = script("loss_parity")
+    base = metrics(tmp_path / "bf16", {s: 4.0 - s / 100 for s in range(10, 110, 10)})
+    fp8 = metrics(tmp_path / "fp8", {s: 1.01 * (4.0 - s / 100) for s in range(10, 110, 10)})
+    assert parity.main([str(base), str(fp8), "--window", "0.2"]) == 0
+    out = capsys.readouterr().out
+    assert "steps 90-100" in out and "(+1.00%)" in out and "largest gap at one step 1.00%" in out
+    assert parity.main([str(base), str(tmp_path / "none")]) == 2
+    assert "no train losses" in capsys.readouterr().err
+
+
+def test_starvation_benchmark_runs_its_four_cases_on_the_cpu(tmp_path: Path) -> None:
+    mm = tmp_path / "mm"
+    mm.mkdir()
+    np.arange(4096, dtype=np.uint16).__mod__(256).astype(np.uint16).tofile(mm / "train.bin")
+    np.arange(1024, dtype=np.uint16).__mod__(256).astype(np.uint16).tofile(mm / "val.bin")
+    (mm / "meta.json").write_text(json.dumps({"vocab_size": 256, "dtype": "uint16", "tokenizer": "byte"}))
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    res = subprocess.run(
+        [sys.executable, str(SCRIPTS / "bench_starvation.py"), "--memmap", str(mm), "--steps", "2", "--warmup", "0",
+         "--sleep-ms", "20", "--out", str(tmp_path / "runs"), "--json", str(tmp_path / "s.json"), "device=cpu",
+         "model.n_layer=1", "model.n_head=2", "model.n_embd=16", "model.block_size=16", "dataloader.batch_size=2"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    cases = json.loads((tmp_path / "s.json").read_text())["cases"]
+    assert list(cases) == ["synthetic", "memmap", "slow, 0 workers", "slow, 2 workers"]
+    assert all(c["status"] == "completed" and c["gpu_starved_pct"] is None for c in cases.values())  # CPU: n/a
+    assert cases["slow, 0 workers"]["host_data_wait_pct"] > 0  # the sleep before each window is waited for
+    assert all((Path(c["run_dir"]) / "summary.json").is_file() for c in cases.values())
+    assert "starvation: synthetic n/a, memmap n/a" in res.stdout
