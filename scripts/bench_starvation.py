@@ -7,8 +7,8 @@
 The overrides set the base (e.g. ``model=gpt2 dataloader.batch_size=16 device=cuda
 precision=bf16 compile=true``). Cases, each one ``perfrun.train.run`` with the base:
 
-  synthetic         data=synthetic: on CUDA the tokens are drawn on the device, so no batch is
-                    handed over and the figure is n/a by construction (nothing to wait for)
+  synthetic         data=synthetic: on CUDA the tokens are drawn on the device; the figure is
+                    the time the GPU spent drawing them between steps (about 0)
   memmap            data=memmap data.path=DIR (train.bin/val.bin/meta.json, as ``perfrun
                     prepare`` writes them): copied one batch ahead on a side stream
   slow, 0 workers   the same memmap source, each window read S ms late (a sleep before every
