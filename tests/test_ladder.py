@@ -271,3 +271,19 @@ def test_where_a_rung_acts_is_decided_per_device() -> None:
     assert device_kind("cpu") == "cpu" and device_kind("cuda:1") == "cuda" and device_kind("mps") == "mps"
     with pytest.raises(ValueError, match="choose one of any, cuda, fp8"):
         rung_applies("gpu", "cpu")
+
+
+def test_loss_parity_holds_when_every_naive_job_shared_the_machine(tmp_path: Path) -> None:
+    """Contention changes a job's speed, not its losses: the naive trainer's loss curve still
+    calibrates parity when none of its repeats can be ranked."""
+    plant_ladder(tmp_path)
+    for summary in tmp_path.glob("*/summary.json"):
+        s = json.loads(summary.read_text())
+        if s["config"]["ablation"]["rung"] == "naive":
+            s["contention"] = {"contended": True, "evidence": ["planted neighbour"]}
+            summary.write_text(json.dumps(s))
+    (a,) = report.load([tmp_path]).ablations
+    rungs = {e["rung"]: e for e in a["ladder"]}
+    assert rungs["naive"]["n"] == 0 and rungs["naive"]["contended"] == 3
+    assert a["seed_gap"] == pytest.approx(0.01) and rungs["bf16"]["parity"] == "ok"
+    assert a["alternatives"][0]["parity"] == "FLAGGED"  # fp16's planted 20 % loss gap
