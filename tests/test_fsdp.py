@@ -24,7 +24,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
