@@ -129,6 +129,10 @@ class FsdpOptions:
     # the backward (ZeRO-3: least memory); false: keep them to the backward (ZeRO-2 style:
     # one all-gather fewer per block, the full weights held through the step)
     reshard_after_forward: bool = True
+    # false (torchtitan's default): the last block and the root, where the backward starts, keep theirs
+    reshard_last_block: bool = False
+    forward_prefetch: int = 0  # blocks whose all-gather each block issues ahead; 0: FSDP2's implicit one
+    backward_prefetch: int = 0  # the same in the backward, towards the first block
 
 
 @dataclass

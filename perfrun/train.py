@@ -32,7 +32,7 @@ from perfrun.data import build_datasets, build_loader
 from perfrun.environment import device_name, environment, global_state, rank_info
 from perfrun.evaluator import Evaluator
 from perfrun.guards import Diverged, GracefulStop, Interrupted, NonFiniteGuard
-from perfrun.knobs import Plan, apply_knobs, fp8
+from perfrun.knobs import Plan, apply_knobs, fp8, fsdp
 from perfrun.model import GPT, GPTConfig, padded_vocab
 from perfrun.optim import build_optimizer, build_scheduler
 from perfrun.pretrained import init_from
@@ -75,6 +75,7 @@ def setup(cfg: Any, stack: ExitStack) -> Setup:
     if not 0 <= cfg.seed < 2**32:
         raise ConfigError(f"seed={cfg.seed} is outside what the random number generators take (0 to 2**32-1, numpy's "
                           "limit); choose a seed in that range")
+    fsdp.check(cfg)
     device = distributed.setup_device(cfg.device, cfg.distributed, stack)
     fp8.check(cfg, device)  # refused before any data or model is built
     rank, world = distributed.rank(), distributed.world_size()

@@ -11,7 +11,7 @@
 #   distributed    DDP/FSDP2 GPU tests, plain vs DDP vs FSDP2 on one GPU (eager, compiled),
 #                  an FSDP2 run through torchrun with sharded checkpoints and its resume, a sweep
 #   compile-scope  compile_options.scope=model vs blocks under none/ddp/fsdp
-#   fsdp-cost      FSDP2's one-GPU cost: reshard_after_forward, gpt2-medium, profiled steps
+#   fsdp-cost      FSDP2's one-GPU host overhead, gpt2 to gpt2-xl: plain vs FSDP2 vs FSDP2 with its host-overhead settings
 #   generate       scripts/bench_generate.py (where present)
 #   speed          scripts/bench_speed.py: the speed knobs (device input, loss=chunked, fp8, compile
 #                  modes, all of them) against the plain nanoGPT-recipe loop; gpt2 and the tiny model;
@@ -108,19 +108,21 @@ suite_compile_scope() {
 }
 
 suite_fsdp_cost() {
-  "$PY" scripts/bench_distributed.py --steps 60 --warmup 15 --json "$R/bench_fsdp_reshard.json" \
-    --modes none,fsdp,fsdp+fsdp.reshard_after_forward=false $GPT2 > "$R/bench_fsdp_reshard.txt" 2>&1
-  "$PY" scripts/bench_distributed.py --steps 40 --warmup 10 --json "$R/bench_fsdp_gpt2_medium.json" \
-    model=gpt2-medium data=synthetic dataloader.batch_size=8 device=cuda precision=bf16 \
-    > "$R/bench_fsdp_gpt2_medium.txt" 2>&1
-  for mode in none ddp fsdp; do
-    "$PY" -m perfrun train $GPT2 distributed=$mode max_steps=16 profile=true profiler.start_step=10 \
-      checkpoint.at_end=false progress=plain monitor.every_n_steps=0 hydra.run.dir="$R/profiled_$mode" \
-      > "$R/profiled_$mode.txt" 2>&1
-  done
-  "$PY" scripts/trace_gpu_busy.py "$R"/profiled_{none,ddp,fsdp}/profile/trace.json > "$R/gpu_busy.txt" 2>&1
-  rm -rf "$R"/profiled_*/profile/tensorboard "$R"/profiled_*/checkpoints
-  cat "$R/gpu_busy.txt" >> "$DIGEST"
+  # FSDP2's one-GPU host overhead against model size: plain, FSDP2 as it was (every group resharded, implicit
+  # prefetch) and FSDP2 with the host-overhead settings (scripts/bench_distributed.py TUNED); eager on gpt2 to
+  # gpt2-xl, compiled on gpt2 and gpt2-xl with the GPU-busy share of 3 profiled warm-up steps.
+  # Time on an H200, estimated from the H100 runs of BENCHMARKS.md (gpt2 bs16 eager 54 ms/step plain, 77-115
+  # under FSDP2; medium ~2.5x, large ~4x, xl at bs8 ~4x gpt2's step; ~10 s of setup per job; a cold compile of
+  # gpt2 ~25 s): eager, 12 jobs of 25 steps ~4 min; compiled gpt2, 3 jobs ~1.5 min; compiled gpt2-xl, 3 jobs
+  # ~3 min (~60 s for the plain job's 48-block graph, one block's graph under FSDP2): ~8.5 min, under 9.
+  local sizes="data=synthetic device=cuda precision=bf16"
+  "$PY" scripts/bench_distributed.py --steps 25 --warmup 10 --models gpt2,gpt2-medium,gpt2-large,gpt2-xl \
+    --compile false --json "$R/bench_fsdp_sizes_eager.json" $sizes > "$R/bench_fsdp_sizes_eager.txt" 2>&1
+  echo "fsdp-cost eager rc=$?" >> "$DIGEST"
+  "$PY" scripts/bench_distributed.py --steps 25 --warmup 10 --gpu-busy --models gpt2,gpt2-xl \
+    --compile true --json "$R/bench_fsdp_sizes_compiled.json" $sizes > "$R/bench_fsdp_sizes_compiled.txt" 2>&1
+  echo "fsdp-cost compiled rc=$?" >> "$DIGEST"
+  sed -n '/^ *model batch compile/,$p' "$R"/bench_fsdp_sizes_{eager,compiled}.txt >> "$DIGEST"
 }
 
 suite_generate() {

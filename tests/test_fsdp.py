@@ -1,11 +1,15 @@
 """FSDP2 on the CPU with gloo (torch supports ``fully_shard`` there): 2 ranks match one
 process, sharded ``torch.distributed.checkpoint`` folders are written by every rank, and
 resume is exact on the same ranks and continues on another number of ranks, or in one
-plain process. Tiny models and few steps: each torchrun start costs ~5 s of imports.
+plain process. The host-overhead settings (``fsdp.reshard_last_block``, explicit
+prefetching, per-block compile) change what FSDP2 does and not the losses. Tiny models and
+few steps: each torchrun start costs ~5 s of imports, so those run in one process (a world
+of one over gloo) where they can.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -14,14 +18,20 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
-from perfrun import checkpoint_files
+from perfrun import checkpoint_files, distributed
 from perfrun.config import ConfigError
 from perfrun.inference.loading import load_model
+from perfrun.knobs import Plan, apply_knobs
+from perfrun.model import GPT, GPTConfig
 from perfrun.train import run
 
 from conftest import REPO, TINY_MODEL, losses, make_cfg, run_cli, torchrun
@@ -47,7 +57,8 @@ def test_two_fsdp_ranks_match_one_process(fsdp_dir: Path, tmp_path: Path) -> Non
     s = json.loads((fsdp_dir / "summary.json").read_text())
     assert s["status"] == "completed" and s["world_size"] == 2 and s["knobs"]["distributed"] == "fsdp"
     assert s["knobs"]["fsdp"] == {"shard_groups": 3, "param_dtype": "float32", "reduce_dtype": "float32",
-                                  "reshard_after_forward": True, "backend": "gloo"}
+                                  "reshard_after_forward": True, "reshard_last_block": False,
+                                  "forward_prefetch": 0, "backward_prefetch": 0, "backend": "gloo"}
     run(make_cfg(*COMMON, "dataloader.batch_size=4", "checkpoint.at_end=false"), tmp_path)
     a, b = losses(tmp_path), losses(fsdp_dir)
     assert sorted(a) == sorted(b) == list(range(1, STEPS + 1))
@@ -261,3 +272,83 @@ def test_saving_a_step_again_replaces_it_only_once_the_new_one_is_whole(tmp_path
     fresh = GPT(model.config)
     checkpoint_files.load_model_weights(ckpt, fresh)
     assert torch.equal(fresh.wte.weight, model.wte.weight)
+
+
+def sharded(stack: ExitStack, *overrides: str) -> tuple[GPT, Plan]:
+    """A 3-block GPT through the knobs under distributed=fsdp, a world of one over gloo."""
+    cfg = make_cfg(*COMMON, "distributed=fsdp", "model.n_layer=3", *overrides)
+    device = distributed.setup_device("cpu", "fsdp", stack)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, block_size=32, n_layer=3, n_head=2, n_embd=32))
+    return model, apply_knobs(cfg, device, model, stack)
+
+
+TOKENS = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("overrides, held, forward, backward", [
+    # held after forward: blocks 0-2, then the root; prefetches: how often each block's all-gather was issued early
+    ((), [False, False, True, True], {}, {"blocks.2": 1, "blocks.1": 1, "blocks.0": 1}),
+    (("fsdp.reshard_last_block=true",), [False] * 4, {}, {"blocks.2": 1, "blocks.1": 1, "blocks.0": 1}),
+    (("fsdp.reshard_after_forward=false",), [True] * 4, {}, {"blocks.2": 1, "blocks.1": 1, "blocks.0": 1}),
+    (("fsdp.forward_prefetch=2", "fsdp.backward_prefetch=2"), [False, False, True, True],
+     {"blocks.1": 1, "blocks.2": 2}, {"blocks.2": 1, "blocks.1": 1, "blocks.0": 2}),
+])
+def test_reshard_and_prefetch_settings_change_what_fsdp_does(
+        overrides: tuple[str, ...], held: list[bool], forward: dict[str, int], backward: dict[str, int]) -> None:
+    """Which shard groups still hold their gathered (plain, not DTensor) weights between the
+    forward and the backward, and which all-gathers FSDP2 issued ahead (its profiler marks)."""
+    with ExitStack() as stack:
+        model, plan = sharded(stack, *overrides)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            _, loss = plan.model(TOKENS[:, :-1], TOKENS[:, 1:])
+            after_forward = [not isinstance(m.weight, DTensor) for m in (*(b.mlp.c_fc for b in model.blocks), model.wte)]
+            loss.backward()
+    marks = Counter(e.name.split("FSDP::")[1] for e in prof.events() if e.name.startswith("FSDP::") and "_prefetch for" in e.name)
+    assert after_forward == held
+    assert {k.removeprefix("forward_prefetch for "): n for k, n in marks.items() if k.startswith("forward")} == forward
+    assert {k.removeprefix("backward_prefetch for "): n for k, n in marks.items() if k.startswith("backward")} == backward
+    assert plan.notes["fsdp"]["reshard_last_block"] == ("fsdp.reshard_last_block=true" in overrides)
+
+
+def test_per_block_compile_keeps_fsdp_hooks_outside_the_graph(monkeypatch: pytest.MonkeyPatch) -> None:
+    """compile_options.scope=blocks under FSDP2: every sharded block's forward is compiled
+    whole (fullgraph: a hook inside would break the graph and fail), FSDP2's hooks stay on the
+    module, and loss and gradients equal the eager sharded model's. aot_eager instead of
+    inductor: the question is where dynamo's graph ends, not which kernels inductor writes."""
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    x, y = TOKENS[:, :-1], TOKENS[:, 1:]
+    results = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        with ExitStack() as stack:
+            model, plan = sharded(stack, f"compile={str(compiled).lower()}", "compile_options.scope=blocks",
+                                  "compile_options.fullgraph=true", "fsdp.forward_prefetch=1", "fsdp.backward_prefetch=1")
+            for block in model.blocks:
+                assert isinstance(block, FSDPModule) and block._forward_pre_hooks and block._forward_hooks
+                assert hasattr(block.__dict__.get("forward"), "_torchdynamo_orig_callable") == compiled
+            _, loss = plan.model(x, y)
+            loss.backward()
+            results.append((loss.item(), {n: p.grad.full_tensor() for n, p in model.named_parameters()}))
+    (eager_loss, eager_grads), (loss, grads) = results
+    assert abs(loss - eager_loss) <= TOL * abs(eager_loss)
+    for name, grad in eager_grads.items():
+        assert ((grads[name] - grad).norm() / grad.norm()).item() <= TOL, name
+
+
+def test_the_host_overhead_settings_keep_the_losses(tmp_path: Path) -> None:
+    """Every setting on (no reshard of the last block and root, prefetching 2 ahead both
+    ways) against FSDP2 as it was (every group resharded, implicit prefetch) and one plain
+    process, same global batch."""
+    base = [*COMMON, "dataloader.batch_size=4", "checkpoint.at_end=false", "model.n_layer=3", "max_steps=3"]
+    runs = {"plain": [], "fsdp": ["distributed=fsdp", "fsdp.reshard_last_block=true"],
+            "tuned": ["distributed=fsdp", "fsdp.forward_prefetch=2", "fsdp.backward_prefetch=2"]}
+    got = {}
+    for name, extra in runs.items():
+        s = run(make_cfg(*base, *extra), tmp_path / name)
+        assert s["status"] == "completed"
+        got[name] = losses(tmp_path / name)
+    assert s["knobs"]["fsdp"]["forward_prefetch"] == s["knobs"]["fsdp"]["backward_prefetch"] == 2
+    assert sorted(got["plain"]) == sorted(got["fsdp"]) == sorted(got["tuned"]) == [1, 2, 3]
+    for name in ("fsdp", "tuned"):
+        assert all(abs(got[name][k] - got["plain"][k]) <= TOL * abs(got["plain"][k]) for k in got["plain"]), got
