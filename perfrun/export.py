@@ -18,7 +18,7 @@ from pathlib import Path
 
 from perfrun.config import ConfigError
 from perfrun.console import error, stderr_console
-from perfrun.inference.command import HydraCommand
+from perfrun.hydra_command import HydraCommand
 from perfrun.inference.hf_layout import export_safetensors
 from perfrun.inference.loading import load_model
 from perfrun.inference.onnx_export import DEFAULT_ATOL, OnnxMismatch, export_onnx
