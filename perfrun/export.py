@@ -11,6 +11,7 @@ Needs: ``pip install 'perfrun[export]'`` (onnx, onnxscript, onnxruntime, safeten
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 from dataclasses import asdict, dataclass, field
@@ -18,7 +19,7 @@ from pathlib import Path
 
 from perfrun.config import ConfigError
 from perfrun.console import error, stderr_console
-from perfrun.inference.command import HydraCommand
+from perfrun.hydra_command import HydraCommand
 from perfrun.inference.hf_layout import export_safetensors
 from perfrun.inference.loading import load_model
 from perfrun.inference.onnx_export import DEFAULT_ATOL, OnnxMismatch, export_onnx
@@ -119,7 +120,11 @@ def run(cfg: ExportConfig) -> int:
         error(str(e))
         return 2
     except OSError as e:
-        error(f"cannot write the export: {e.strerror or e} ({getattr(e, 'filename', '')}); choose a writable out=")
+        if e.errno == errno.ENOSPC:
+            error(f"cannot write the export to {e.filename or cfg.out or 'its default folder'}: the disk is full; "
+                  "free space there or choose another out= on a disk with room")
+        else:
+            error(f"cannot write the export: {e.strerror or e} ({getattr(e, 'filename', '')}); choose a writable out=")
         return 2
 
 

@@ -26,7 +26,7 @@ import torch
 from perfrun.config import ConfigError
 from perfrun.console import error, stderr_console
 from perfrun.devices import resolve_device
-from perfrun.inference.command import HydraCommand
+from perfrun.hydra_command import HydraCommand
 from perfrun.inference.generation import Generation, Generator
 from perfrun.inference.loading import Loaded, load_model
 from perfrun.inference.sampling import Sampler

@@ -366,29 +366,13 @@ def kept_logging() -> Iterator[None]:
 def _run_app(args: list[str], plan: Plan | None) -> int:
     """The Hydra app with ``args`` as its command line: the tune of ``plan`` in its run dir,
     or (no plan) Hydra's answer to --help, --cfg and the like."""
-    import hydra
-
-    from perfrun.config import config_dir, register_configs
+    from perfrun.config import register_configs
+    from perfrun.hydra_command import hydra_main
 
     register_configs()
     register_tune_schema()
-    codes: list[int] = []
-
-    @hydra.main(version_base="1.3", config_path=config_dir(), config_name="tune")
-    def app(cfg: Any) -> None:
-        if plan is not None:
-            codes.append(_tune(plan))
-
-    saved = sys.argv
-    sys.argv = ["perfrun tune", *args]
-    try:
-        with kept_logging():
-            app()
-    except SystemExit as e:  # Hydra's --help, or its own one-line refusal
-        return e.code if isinstance(e.code, int) else int(e.code is not None)
-    finally:
-        sys.argv = saved
-    return codes[0] if codes else 0
+    with kept_logging():
+        return hydra_main("tune", args, lambda _cfg: _tune(plan) if plan is not None else 0)
 
 
 def main(argv: list[str], trial: Callable[[Candidate], TrialResult] | None = None) -> int:

@@ -17,6 +17,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
 from perfrun.config import CHOICES, TrainConfig
+from perfrun.hydra_command import hydra_quoted
 
 
 class TuneError(ValueError):
@@ -122,8 +123,8 @@ def override_value(value: Any) -> str:
         return "[" + ",".join(str(v).lower() if isinstance(v, bool) else str(v) for v in value) + "]"
     if isinstance(value, bool):
         return str(value).lower()
-    if isinstance(value, str):  # a path: quoted, so that = , and spaces stay part of it
-        return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    if isinstance(value, str):  # a path: quoted, so that = , spaces, quotes and ${ stay part of it
+        return hydra_quoted(value)
     return str(value)
 
 

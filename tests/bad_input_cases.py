@@ -96,6 +96,8 @@ CASES = [
          "holds files that perfrun prepare did not write", small=False),
     Case("prepare: unknown key", ("prepare", "path={d}/corpus.txt", "out={d}/tokens", "worker=2"),
          "worker is not a key", small=False),
+    Case("prepare: a value of the wrong type", ("prepare", "path={d}/corpus.txt", "out={d}/tokens", "workers=two"),
+         "workers=two is not an integer; write e.g. workers=0", small=False),
     Case("unknown experiment logger", ("train", "logger=neptune"), "logger=neptune is not an option"),
     Case("unknown W&B mode", ("train", "logger=wandb", "logger.mode=sometimes"), "logger.mode=sometimes is not an option"),
     Case("logger folder under a file", ("train", "logger=tensorboard", "logger.dir={d}/notes.txt/tb"),

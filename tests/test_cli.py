@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
 
 import pytest
+
+from perfrun.cli import main as cli_main
 
 from conftest import REPO, TINY_MODEL, run_cli
 
@@ -78,12 +81,14 @@ def test_plain_run_writes_its_run_dir(tmp_path: Path) -> None:
     assert "step 50/50" in r.stdout and "tok/s" in r.stdout  # plain lines when not a terminal
 
 
-def test_train_json_prints_the_summary_on_stdout(tmp_path: Path) -> None:
-    r = run_cli("train", "--json", "device=cpu", "max_steps=10", *TINY_MODEL, "eval_batches=2", cwd=tmp_path)
-    assert r.returncode == 0, r.stderr
+def test_train_json_prints_the_summary_on_stdout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                 capfd: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)  # in this process (file descriptors captured); the sweep below in its own
+    assert cli_main(["train", "--json", "device=cpu", "max_steps=3", *TINY_MODEL, "eval_batches=2"]) == 0
+    out, err = capfd.readouterr()
     (run_dir,) = [p.parent for p in (tmp_path / "outputs").rglob("summary.json")]
-    assert json.loads(r.stdout) == json.loads((run_dir / "summary.json").read_text())  # stdout is the JSON alone
-    assert "step 10/10" in r.stderr and f"run dir {run_dir.relative_to(tmp_path)}" in r.stderr  # the log, on stderr
+    assert json.loads(out) == json.loads((run_dir / "summary.json").read_text())  # stdout is the JSON alone
+    assert "step 3/3" in err and f"run dir {run_dir.relative_to(tmp_path)}" in err  # the log, on stderr
     sweep = run_cli("train", "--json", "-m", "device=cpu", "max_steps=2", *TINY_MODEL, "eval_batches=1", "seed=1,2",
                     "hydra.sweep.dir=sweep", cwd=tmp_path)
     assert sweep.returncode == 0, sweep.stderr
@@ -103,10 +108,15 @@ def test_gpt2_with_checkpointing_and_accumulation(tmp_path: Path) -> None:
 
 
 def test_multirun_sweep_and_clean_state_between_jobs(tmp_path: Path) -> None:
+    """One sweep as a user runs it: its jobs, their clean state, and Hydra's lines in our style."""
     r = run_cli("train", "-m", "dataloader.batch_size=2,4", "dataloader.num_workers=0,2", "cudnn_benchmark=true",
                 *TINY_MODEL, "max_steps=6", "eval_batches=2", "log_every=3", "device=cpu", "progress=off", "monitor.every_n_steps=0",
                 cwd=tmp_path)
     assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()  # Hydra's own lines share our timestamp style
+    hydra = [line for line in lines if "Launching 4 jobs locally" in line or " : " in line]
+    assert len(hydra) == 5 and all(re.match(r"^\d\d:\d\d:\d\d\s", line) for line in hydra), r.stdout
+    assert not any("[HYDRA]" in line for line in lines)
     jobs = summaries(tmp_path / "outputs")
     assert len(jobs) == 4 and all(j["status"] == "completed" for j in jobs)
     assert sorted((j["config"]["dataloader"]["batch_size"], j["config"]["dataloader"]["num_workers"]) for j in jobs) == [

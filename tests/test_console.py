@@ -91,15 +91,6 @@ def test_a_piped_run_prints_timed_lines_that_fit_and_says_where_its_files_are(tm
     assert len(monitor) == 6
 
 
-def test_hydra_lines_and_ours_share_one_timestamp_style(tmp_path: Path) -> None:
-    r = run_cli("train", "-m", *TINY, "max_steps=2", "seed=1,2", cwd=tmp_path)
-    assert r.returncode == 0, r.stderr
-    lines = r.stdout.splitlines()
-    hydra = [line for line in lines if "Launching 2 jobs locally" in line or " : " in line]
-    assert len(hydra) == 3 and all(re.match(r"^\d\d:\d\d:\d\d\s", line) for line in hydra), r.stdout
-    assert not any("[HYDRA]" in line for line in lines)
-
-
 def test_on_an_80_column_terminal_each_log_point_is_one_line(tmp_path: Path) -> None:
     """A real pseudo-terminal 80 columns wide: rich draws the progress bar, and every step
     line stays on one line (rich would wrap a longer one under its time column)."""

@@ -418,12 +418,15 @@ def test_pysource_failed_write_leaves_no_cache(
     assert "built" in build_datasets(cfg, 8, 0).description
 
 
-def test_pysource_real_cache_is_built_once_and_decodes_to_source(tmp_path: Path) -> None:
+def test_pysource_real_cache_is_built_once_and_decodes_to_source(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    read: list[str] = []  # every source file tokenised, counted (not timed): once each, then never again
+    tokenise = P._tokenise
+    monkeypatch.setattr(P, "_tokenise", lambda stdlib, rels: read.extend(rels) or tokenise(stdlib, rels))
     cfg = DataConfig(cache_dir=str(tmp_path))
-    t0 = time.perf_counter()
     b = build_datasets(cfg, 256, 0)
-    build_s = time.perf_counter() - t0
-    assert build_s < 15, f"pysource cache took {build_s:.1f} s"
+    assert sorted(read) == [r for r, _ in P.pysource_files(P.stdlib_dir())]
     train_bin = Path(b.train.path)
     v = sys.version_info
     assert f"py{v.major}.{v.minor}.{v.micro}" in train_bin.parent.name
@@ -431,8 +434,9 @@ def test_pysource_real_cache_is_built_once_and_decodes_to_source(tmp_path: Path)
     assert set(mtimes) == {"train.bin", "val.bin", "meta.json"}  # no temp files left
     assert b.vocab_size == 256 and b.train.n_tokens > 1_000_000 and len(b.val) > 100
 
+    read.clear()
     again = build_datasets(cfg, 256, 0)
-    assert "reused" in again.description
+    assert "reused" in again.description and read == []  # the second build read the cache, no source
     assert {p.name: p.stat().st_mtime_ns for p in train_bin.parent.iterdir()} == mtimes
 
     stdlib = P.stdlib_dir()

@@ -363,7 +363,7 @@ def test_compile_from_the_cli_reports_its_time_apart_and_gives_the_same_text(sha
 def test_help_lists_every_key_with_its_help(capsys: pytest.CaptureFixture[str]) -> None:
     from perfrun.export import ExportConfig
     from perfrun.generate import GenerateConfig
-    from perfrun.inference.command import schema_fields
+    from perfrun.hydra_command import schema_fields
 
     for name, schema in (("generate", GenerateConfig), ("export", ExportConfig)):
         assert cli_main([name, "--help"]) == 0

@@ -158,6 +158,13 @@ def test_a_crashing_trial_is_recorded_and_the_search_goes_on(
     assert out.splitlines()[-1].endswith("dataloader.batch_size=4 checkpointing=none compile=false dataloader.num_workers=0")
 
 
+def test_out_keeps_spaces_quotes_backslashes_and_dollar_braces(tmp_path: Path) -> None:
+    """--out is quoted for Hydra so that the tune dir is the folder given, character for character."""
+    for name in ("a b", "it's", "back\\slash", "ends\\", "x${y}"):
+        (override,) = flags_to_overrides(["--out", str(tmp_path / name)])
+        assert tune._compose([override])[1] == tmp_path / name, override
+
+
 def test_keys_and_flags_spell_the_same_tune(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     flags = ["--batch-sizes", "4,8", "--checkpointing", "none,full", "--compile", "false", "--workers", "0,2",
              "--steps", "7", "--warmup=2", "--patience", "2", "--min-gain", "0.1", "--start", "2", "--max-batch", "64"]

@@ -4,7 +4,8 @@ A payload (a pickle whose ``__reduce__`` creates a marker file) is planted in ea
 perfrun reads a checkpoint from: a single ``step_N.pt``, a sharded folder's ``meta.pt``,
 its ``.metadata``, and an entry of its shard file ``__0_0.distcp`` (a "bytes" entry, which
 DCP's own reader unpickles with plain ``torch.load``, and a tensor entry). Each is handed
-to every command that reads it, in a real subprocess: ``generate``, ``export``, ``train
+to every command that reads it, through ``perfrun``'s own command line (in this process,
+its output read from the file descriptors): ``generate``, ``export``, ``train
 resume=PATH`` and ``train resume=auto`` with the checkpoint among the run's. The payload
 never runs, the command fails, and its one line names the planted file. Every planted
 file is first shown to be armed: plain unpickling does create the marker. A good sharded
@@ -20,18 +21,21 @@ import os
 import pickle
 import re
 import shutil
+import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
 from perfrun import safe_checkpoint
+from perfrun.cli import main as cli_main
 from perfrun.config import ConfigError
 from perfrun.generate import load_model
 from perfrun.train import run
 
-from conftest import TINY_MODEL, make_cfg, run_cli
+from conftest import TINY_MODEL, make_cfg
 
 STEPS = 2
 ARGS = [*TINY_MODEL, "data=text", "dataloader.batch_size=4", "log_every=1", "eval_every=0", "eval_batches=1",
@@ -152,6 +156,33 @@ def armed(place: str, planted: Path, marker: Path) -> bool:
     return ran
 
 
+@dataclass
+class Done:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+# what a plain ``python`` prints of a warning raised outside ``__main__``: every category but these
+SILENT = (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning)
+
+
+def run_perfrun(*args: str, cwd: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]) -> Done:
+    """``perfrun ARGS`` run in ``cwd`` in this process (one interpreter start fewer per
+    command): its exit code and what it wrote, the warnings a terminal would show included."""
+    monkeypatch.chdir(cwd)
+    capfd.readouterr()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            code = cli_main(list(args))
+        except SystemExit as e:  # a Hydra app exits through SystemExit
+            code = e.code if isinstance(e.code, int) else int(e.code is not None)
+    out, err = capfd.readouterr()
+    shown = [f"{w.category.__name__}: {w.message}" for w in caught if not issubclass(w.category, SILENT)]
+    return Done(code, out, err + "".join(line + "\n" for line in shown))
+
+
 def command(name: str, ckpt: Path, run_dir: Path, data: Path) -> list[str]:
     """The command line that reads checkpoint ``ckpt`` (a file, or a folder in ``run_dir/checkpoints``)."""
     train = ["train", *ARGS, f"data.path={data}", f"max_steps={STEPS + 2}", f"hydra.run.dir={run_dir}"]
@@ -165,7 +196,8 @@ def command(name: str, ckpt: Path, run_dir: Path, data: Path) -> list[str]:
 
 @pytest.mark.parametrize("cmd", ["generate", "export", "train resume=PATH", "train resume=auto"])
 @pytest.mark.parametrize("place", [p for p in PLACES if p != "shard tensor entry"])
-def test_a_planted_payload_never_runs(place: str, cmd: str, good: dict[str, Path], tmp_path: Path) -> None:
+def test_a_planted_payload_never_runs(place: str, cmd: str, good: dict[str, Path], tmp_path: Path,
+                                      monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]) -> None:
     marker = tmp_path / "payload-ran"
     run_dir = tmp_path / "run"
     ckpts = run_dir / "checkpoints"
@@ -173,7 +205,7 @@ def test_a_planted_payload_never_runs(place: str, cmd: str, good: dict[str, Path
     planted = PLACES[place](good, ckpts, Payload(marker))
     assert armed(place, planted, marker), "the planted file would not run anything: the test proves nothing"
     ckpt = planted if place == "single .pt" else planted.parent
-    p = run_cli(*command(cmd, ckpt, run_dir, good["data"]), cwd=tmp_path)
+    p = run_perfrun(*command(cmd, ckpt, run_dir, good["data"]), cwd=tmp_path, monkeypatch=monkeypatch, capfd=capfd)
     lines = [line for line in p.stderr.splitlines() if line.strip()]
     assert not marker.exists(), f"the payload ran under {cmd}"
     assert p.returncode == 2, p.stdout + p.stderr
@@ -184,26 +216,31 @@ def test_a_planted_payload_never_runs(place: str, cmd: str, good: dict[str, Path
         assert ENTRY in lines[0], lines[0]
 
 
-def test_a_tensor_entry_that_is_not_a_tensor_is_refused_naming_the_shard(good: dict[str, Path], tmp_path: Path) -> None:
+def test_a_tensor_entry_that_is_not_a_tensor_is_refused_naming_the_shard(
+        good: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]) -> None:
     """DCP loads tensor entries weights-only already; the refusal must still name the file."""
     marker = tmp_path / "payload-ran"
     planted = plant_tensor_entry(good, tmp_path, Payload(marker))
     assert armed("shard tensor entry", planted, marker)
-    p = run_cli("generate", f"checkpoint={planted.parent}", "prompt=def", "max_new_tokens=4", cwd=tmp_path)
+    p = run_perfrun("generate", f"checkpoint={planted.parent}", "prompt=def", "max_new_tokens=4", cwd=tmp_path,
+                monkeypatch=monkeypatch, capfd=capfd)
     lines = [line for line in p.stderr.splitlines() if line.strip()]
     assert not marker.exists()
     assert p.returncode == 2 and len(lines) == 1, p.stderr
     assert f"{planted} was not loaded: it names io.open" in lines[0], lines[0]
 
 
-def test_a_good_sharded_checkpoint_still_resumes_and_generates(good: dict[str, Path], tmp_path: Path) -> None:
+def test_a_good_sharded_checkpoint_still_resumes_and_generates(
+        good: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]) -> None:
     run_dir = tmp_path / "run"
     shutil.copytree(good["folder"], run_dir / "checkpoints" / good["folder"].name)
-    p = run_cli(*command("train resume=auto", None, run_dir, good["data"]), "distributed=fsdp", cwd=tmp_path)
+    p = run_perfrun(*command("train resume=auto", None, run_dir, good["data"]), "distributed=fsdp", cwd=tmp_path,
+                monkeypatch=monkeypatch, capfd=capfd)
     assert p.returncode == 0, p.stderr
     s = json.loads((run_dir / "summary.json").read_text())
     assert s["status"] == "completed" and s["start_step"] == STEPS and s["steps"] == STEPS + 2
-    p = run_cli("generate", f"checkpoint={good['folder']}", "prompt=def", "max_new_tokens=4", "seed=1", cwd=tmp_path)
+    p = run_perfrun("generate", f"checkpoint={good['folder']}", "prompt=def", "max_new_tokens=4", "seed=1", cwd=tmp_path,
+                monkeypatch=monkeypatch, capfd=capfd)
     assert p.returncode == 0, p.stderr
     assert "def" in p.stdout
 

@@ -7,8 +7,7 @@
 - :mod:`~perfrun.inference.generation`: the decode loop (static KV cache, optional compiled
   decode step, batches of prompts, per-sequence stopping), timed;
 - :mod:`~perfrun.inference.int8`: dynamic int8 quantisation and its measured report;
-- :mod:`~perfrun.inference.onnx_export`, :mod:`~perfrun.inference.hf_layout`: the export formats;
-- :mod:`~perfrun.inference.command`: the Hydra plumbing that the commands share.
+- :mod:`~perfrun.inference.onnx_export`, :mod:`~perfrun.inference.hf_layout`: the export formats.
 
 Nothing here imports a command; the commands import from here.
 """

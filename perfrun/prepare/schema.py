@@ -1,18 +1,14 @@
 """``perfrun prepare``'s configuration: one typed dataclass, registered in Hydra's
-ConfigStore and merged with conf/prepare.yaml; its fields' help is what ``--help`` lists."""
+ConfigStore by :class:`perfrun.hydra_command.HydraCommand` and merged with
+conf/prepare.yaml; its fields' help is what ``--help`` lists."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hydra.core.config_store import ConfigStore
-from omegaconf import OmegaConf
-
 from perfrun.config import ConfigError
-
-HELP_RESOLVER = "perfrun_prepare_help"
 
 
 def _key(default: Any, text: str) -> Any:
@@ -30,43 +26,10 @@ class PrepareConfig:
     progress: bool = _key(True, "a progress bar with tokens/s on the terminal")
 
 
-def help_text() -> str:
-    """``perfrun prepare --help``: the keys, each with its type, default and meaning."""
-    width = max(len(f.name) for f in fields(PrepareConfig))
-    lines = [
-        "perfrun prepare: tokenise a corpus into the train.bin/val.bin that data=memmap reads.",
-        "",
-        "usage: perfrun prepare path=CORPUS out=DIR [tokenizer=byte|tiktoken:gpt2|FILE.json] [KEY=VALUE ...]",
-        "",
-        "Keys:",
-    ]
-    for f in fields(PrepareConfig):
-        shown = str(f.default).lower() if isinstance(f.default, bool) else f.default
-        default = "required" if f.default is None else f"default {shown}"
-        lines.append(f"  {f.name:<{width}}  {f.metadata['help']} ({default})")
-    lines += [
-        "",
-        "Examples:",
-        "  perfrun prepare path=~/corpus out=data/corpus-gpt2 tokenizer=tiktoken:gpt2",
-        "  perfrun prepare path=docs.jsonl out=data/docs tokenizer=tokenizer.json workers=8",
-        "  perfrun train data=memmap data.path=data/corpus-gpt2 model=gpt2",
-        "",
-        "perfrun prepare --cfg job prints the composed configuration. Powered by Hydra (https://hydra.cc).",
-    ]
-    return "\n".join(lines).replace("$", "$$")  # the help template is a string.Template
-
-
-def register() -> None:
-    """The schema in the ConfigStore (prepare.yaml lists it first) and the help resolver."""
-    ConfigStore.instance().store(name="prepare_schema", node=PrepareConfig)
-    if not OmegaConf.has_resolver(HELP_RESOLVER):
-        OmegaConf.register_new_resolver(HELP_RESOLVER, help_text)
-
-
 def validate(cfg: Any) -> tuple[Path, Path]:
     """The corpus and the output folder, or a one-line ConfigError."""
     if not cfg.path or not cfg.out:
-        missing = " and ".join(k for k in ("path", "out") if not cfg[k])
+        missing = " and ".join(k for k in ("path", "out") if not getattr(cfg, k))
         raise ConfigError(f"{missing} {'is' if ' and ' not in missing else 'are'} required; "
                           "perfrun prepare path=CORPUS out=DIR (perfrun prepare --help lists the keys)")
     if not 0.0 < cfg.val_fraction < 1.0:

@@ -1,7 +1,8 @@
 """The plot: tokens/s against each swept key, one panel per key, the best starred.
 
-matplotlib is an optional extra (``perfrun[plot]``). Its object API with the Agg canvas
-is used, not pyplot, so no global backend or figure state is touched.
+matplotlib is a base dependency (the ``perfrun[plot]`` extra is kept so that old install lines
+still work); an environment without it gets one warning and no plot. Its object API with the
+Agg canvas is used, not pyplot, so no global backend or figure state is touched.
 """
 
 from __future__ import annotations

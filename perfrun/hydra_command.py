@@ -1,7 +1,7 @@
-"""The commands that take a configuration besides ``train`` (``generate``, ``export``) as Hydra
-apps over a typed schema, so they share train's grammar: ``key=value`` overrides checked
-against a dataclass, ``--help`` listing every key with its help, ``--cfg job``, ``--info``,
-shell completion, and one line for a mistake.
+"""The commands that take a configuration besides ``train`` (``generate``, ``export``,
+``prepare``) as Hydra apps over a typed schema, so they share train's grammar: ``key=value``
+overrides checked against a dataclass, ``--help`` listing every key with its help,
+``--cfg job``, ``--info``, shell completion, and one line for a mistake.
 
 A plain run composes the configuration with Hydra's compose API and runs the job in this
 process (no run dir: these commands write only what they are asked to). Anything with a
@@ -152,23 +152,30 @@ class HydraCommand:
 
     def _hydra_main(self, args: list[str]) -> int:
         """Hydra's own handling of the flags; a job it runs (``-m``) runs as a plain one does."""
-        import hydra
-
-        codes: list[int] = []
-
-        @hydra.main(version_base="1.3", config_path=config_dir(), config_name=self.name)
-        def app(cfg: Any) -> None:
-            codes.append(self.run(cfg))
-
         line = os.environ.get("COMP_LINE")
         if line is not None and any(a.startswith("query=") for a in args):  # Hydra completes the words after the program
             os.environ["COMP_LINE"] = line.replace(f" {self.name}", "", 1)
-        saved = sys.argv
-        sys.argv = ["perfrun", *args]
-        try:
-            app()
-        except SystemExit as e:  # Hydra's own errors exit; the exit code is the answer
-            return e.code if isinstance(e.code, int) else 1
-        finally:
-            sys.argv = saved
-        return max(codes, default=0)
+        return hydra_main(self.name, args, self.run)
+
+
+def hydra_main(name: str, args: list[str], job: Callable[[Any], int]) -> int:
+    """``hydra.main`` over conf/NAME.yaml with ``args`` as the command line: Hydra answers
+    its flags itself and runs ``job`` on each configuration it composes. The exit code is the
+    worst job's, or Hydra's own when it exits (``--help``, a refused override)."""
+    import hydra
+
+    codes: list[int] = []
+
+    @hydra.main(version_base="1.3", config_path=config_dir(), config_name=name)
+    def app(cfg: Any) -> None:
+        codes.append(job(cfg))
+
+    saved = sys.argv
+    sys.argv = ["perfrun", *args]
+    try:
+        app()
+    except SystemExit as e:  # Hydra's own answers and errors exit; the exit code is the answer
+        return e.code if isinstance(e.code, int) else int(e.code is not None)
+    finally:
+        sys.argv = saved
+    return max(codes, default=0)
