@@ -287,3 +287,18 @@ def test_loss_parity_holds_when_every_naive_job_shared_the_machine(tmp_path: Pat
     assert rungs["naive"]["n"] == 0 and rungs["naive"]["contended"] == 3
     assert a["seed_gap"] == pytest.approx(0.01) and rungs["bf16"]["parity"] == "ok"
     assert a["alternatives"][0]["parity"] == "FLAGGED"  # fp16's planted 20 % loss gap
+
+
+def test_at_80_columns_the_tables_leave_columns_out_rather_than_cut_figures(tmp_path: Path) -> None:
+    """A terminal of 80 columns: every table fits without an ellipsis, the least needed columns
+    are left out and named under their table; a wide terminal shows them all."""
+    plant_ladder(tmp_path)
+    r = report.load([tmp_path])
+    narrow = report.render_text(r, width=80)
+    table_lines = [line for line in narrow.splitlines() if line[:1] in "┏┃┡│└"]
+    assert table_lines and all(len(line) <= 80 for line in table_lines)
+    assert "…" not in narrow
+    assert "left out at 80 columns: first step s" in " ".join(narrow.split())
+    assert "compile" in narrow and "3,000" in narrow  # the rung and its figure are kept
+    wide = report.render_text(r, width=300)
+    assert "left out" not in wide and "first step s" in wide

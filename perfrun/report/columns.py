@@ -39,6 +39,9 @@ class Column:
     text: Callable[[Any], str] | None = None  # the tables' cell, where it is not the formatted value
     justify: Literal["left", "right"] = "right"
     tables: bool = True  # False: the CSV's alone (see the module doc)
+    # a terminal too narrow for the table drops the columns of lowest keep first (0: first to
+    # go); the HTML, Markdown and CSV keep every column
+    keep: int = 5
 
     def cell(self, row: Any) -> str:
         """The tables' text for ``row``."""
@@ -74,21 +77,21 @@ def run_columns(report: Report) -> list[Column]:
     swept = [Column(k, k, lambda r, k=k: r.swept.get(k), tables=False) for k in report.swept_keys]
     return [
         Column("best", "", lambda r: r.best, text=lambda r: "★" if r.best else "", justify="left"),
-        Column("job", "job", lambda r: r.job, justify="left"),
+        Column("job", "job", lambda r: r.job, justify="left", keep=9),
         *swept,
         Column("overrides", "overrides", lambda r: " ".join(r.overrides),
-               text=lambda r: overrides_cell(r, report.swept_keys), justify="left"),
-        Column("status", "status", lambda r: r.status, justify="left"),
-        Column("tokens_per_s", "tok/s", lambda r: r.tokens_per_s, ",.0f"),
-        Column("mfu", "MFU %", lambda r: r.mfu, ".1f", scale=100),
-        Column("peak_mem_mib", "peak MiB", lambda r: r.peak_mem_mib, ",.0f"),
-        Column("host_data_wait_pct", "host data-wait %", lambda r: r.host_data_wait_pct, ".1f"),
-        Column("gpu_starved_pct", "GPU starved %", lambda r: r.gpu_starved_pct, ".1f"),
+               text=lambda r: overrides_cell(r, report.swept_keys), justify="left", keep=9),
+        Column("status", "status", lambda r: r.status, justify="left", keep=7),
+        Column("tokens_per_s", "tok/s", lambda r: r.tokens_per_s, ",.0f", keep=9),
+        Column("mfu", "MFU %", lambda r: r.mfu, ".1f", scale=100, keep=6),
+        Column("peak_mem_mib", "peak MiB", lambda r: r.peak_mem_mib, ",.0f", keep=4),
+        Column("host_data_wait_pct", "host data-wait %", lambda r: r.host_data_wait_pct, ".1f", keep=2),
+        Column("gpu_starved_pct", "GPU starved %", lambda r: r.gpu_starved_pct, ".1f", keep=3),
         Column("contended", "contended", lambda r: r.contended, text=lambda r: "yes" if r.contended else
-               ("no" if r.contended is False else NA), justify="left"),
-        Column("final_train_loss", "train loss", lambda r: r.final_train_loss, ".4f"),
-        Column("final_val_loss", "val loss", lambda r: r.final_val_loss, ".4f"),
-        Column("first_step_s", "first step s", lambda r: r.first_step_s, ".2f"),
+               ("no" if r.contended is False else NA), justify="left", keep=8),
+        Column("final_train_loss", "train loss", lambda r: r.final_train_loss, ".4f", keep=3),
+        Column("final_val_loss", "val loss", lambda r: r.final_val_loss, ".4f", keep=4),
+        Column("first_step_s", "first step s", lambda r: r.first_step_s, ".2f", keep=1),
         Column("reason", "reason", lambda r: r.reason, tables=False),
     ]
 
@@ -116,16 +119,18 @@ def _runs_cell(e: dict[str, Any]) -> str:
 
 def _rung_columns(first: str, against: str) -> list[Column]:
     return [
-        Column("rung", first, lambda e: e["rung"], justify="left"),
-        Column("runs", "runs", lambda e: e["n"], text=_runs_cell),
-        Column("tokens_per_s", "tok/s (median ±½ range)", lambda e: e["tokens_per_s"], text=_tps_cell),
-        Column("vs_below", against, lambda e: e["vs_below"], text=lambda e: _effect_cell(e, "vs_below")),
-        Column("vs_baseline", "vs naive", lambda e: e["vs_baseline"], text=lambda e: _effect_cell(e, "vs_baseline")),
-        Column("peak_mem_mib", "peak MiB", lambda e: e["peak_mem_mib"], ",.0f"),
-        Column("first_step_s", "first step s", lambda e: e["first_step_s"], ".2f"),
-        Column("loss_rel_diff", "Δ loss", lambda e: e["loss_rel_diff"], "+.2%"),
-        Column("parity", "parity", lambda e: e.get("parity"), justify="left"),
-        Column("verdict", "verdict", lambda e: e["verdict"], justify="left"),
+        Column("rung", first, lambda e: e["rung"], justify="left", keep=9),
+        Column("runs", "runs", lambda e: e["n"], text=_runs_cell, keep=3),
+        Column("tokens_per_s", "tok/s (median ±½ range)", lambda e: e["tokens_per_s"], text=_tps_cell, keep=8),
+        # the verdict of a measured rung is its effect against the one below: this column goes first
+        Column("vs_below", against, lambda e: e["vs_below"], text=lambda e: _effect_cell(e, "vs_below"), keep=0),
+        Column("vs_baseline", "vs naive", lambda e: e["vs_baseline"], text=lambda e: _effect_cell(e, "vs_baseline"),
+               keep=4),
+        Column("peak_mem_mib", "peak MiB", lambda e: e["peak_mem_mib"], ",.0f", keep=2),
+        Column("first_step_s", "first step s", lambda e: e["first_step_s"], ".2f", keep=1),
+        Column("loss_rel_diff", "Δ loss", lambda e: e["loss_rel_diff"], "+.2%", keep=3),
+        Column("parity", "parity", lambda e: e.get("parity"), justify="left", keep=6),
+        Column("verdict", "verdict", lambda e: e["verdict"], justify="left", keep=9),
     ]
 
 

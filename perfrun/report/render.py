@@ -59,6 +59,25 @@ def rich_table(columns: Sequence[Column], rows: Sequence[Any], mark: Mark, **fra
     return t
 
 
+def fitted_table(console: Console, columns: Sequence[Column], rows: Sequence[Any], mark: Mark,
+                 title: str, caption: str) -> Table:
+    """:func:`rich_table` as wide as ``console``: where a figure would be cut to an ellipsis,
+    the columns of lowest ``keep`` are left out (the caption names them) rather than every
+    cell shrunk; the HTML, Markdown and CSV keep them all."""
+    kept = shown(columns, rows, tables=True)
+    dropped: list[Column] = []
+    while True:
+        note = (f" · left out at {console.width} columns: {', '.join(c.header for c in dropped)} (a wider "
+                "terminal, --markdown, --html or --csv show them)") if dropped else ""
+        table = rich_table(kept, rows, mark, title=title, caption=caption + note)
+        droppable = [c for c in kept if c.keep < 9]
+        if not droppable or not _cuts(table, console.width):
+            return table
+        lowest = min(c.keep for c in droppable)
+        gone = [c for c in droppable if c.keep == lowest][-1]
+        kept, dropped = [c for c in kept if c is not gone], [*dropped, gone]
+
+
 def html_table(columns: Sequence[Column], rows: Sequence[Any], mark: Mark, caption: str) -> str:
     """An HTML table of ``rows``, every cell escaped."""
     shown_ = shown(columns, rows, tables=True)
@@ -198,9 +217,19 @@ def notes(report: Report) -> list[str]:
     return lines
 
 
+def _cuts(table: Table, width: int) -> bool:
+    """Whether rich, at ``width`` columns, would cut a cell of ``table`` to an ellipsis (its
+    own measure cannot tell: it shrinks the widest columns first, below their longest word)."""
+    probe = Console(width=width, file=io.StringIO(), color_system=None, force_terminal=False)
+    probe.print(table)
+    return "…" in probe.file.getvalue()  # type: ignore[attr-defined]
+
+
 def print_report(report: Report, console: Console | None = None) -> None:
-    tables = [rich_table(s.columns, s.rows, s.mark, title=s.title, caption=s.caption) for s in sections(report)]
-    console = console or wide_console(tables)
+    parts = sections(report)
+    if console is None:
+        console = wide_console([rich_table(s.columns, s.rows, s.mark, title=s.title, caption=s.caption) for s in parts])
+    tables = [fitted_table(console, s.columns, s.rows, s.mark, s.title, s.caption) for s in parts]
     for line in header(report):
         console.print(line, markup=False, highlight=False, soft_wrap=True)
     for t in tables:
