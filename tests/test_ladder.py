@@ -30,6 +30,11 @@ CONFIG = {  # what each rung's configuration holds (the line to paste is its dif
     "bf16": {"precision": {"name": "bf16"}, "attention": "eager", "compile": False},
     "sdpa": {"precision": {"name": "bf16"}, "attention": "sdpa", "compile": False},
     "compile": {"precision": {"name": "bf16"}, "attention": "sdpa", "compile": True},
+    "fp16": {"precision": {"name": "fp16"}, "attention": "eager", "compile": False},
+    "naive_seed": {"precision": {"name": "none"}, "attention": "eager", "compile": False},
+    "without_bf16": {"precision": {"name": "none"}, "attention": "sdpa", "compile": True},
+    "without_sdpa": {"precision": {"name": "bf16"}, "attention": "eager", "compile": True},
+    "without_compile": {"precision": {"name": "bf16"}, "attention": "sdpa", "compile": False},
 }
 
 
@@ -104,17 +109,35 @@ def test_the_ladder_from_planted_jobs(tmp_path: Path) -> None:
     (full,) = a["tradeoffs"]
     assert full["setting"] == "checkpointing=full" and full["peak_mem_mib"] == 60 and full["largest_batch"] == 64
     assert full["tokens_per_s_at_largest"] == 2800
-    # the recommendation drops sdpa (inside the noise: fewer knobs win) and says what it was measured as
+    # the recommendation is a measured job: the top without sdpa is as fast as the top (inside
+    # the noise) with one knob fewer, so it wins; the line runs exactly that configuration
     rec = a["recommended"]
     assert rec["knobs"] == ["bf16", "compile"] and rec["dropped"] == ["sdpa"] and rec["measured_as"] == "without_sdpa"
-    assert rec["line"] == "perfrun train precision.name=bf16 compile=true"
-    assert a["verdict"].startswith("verdict: perfrun train precision.name=bf16 compile=true  # 3.00×")
+    assert rec["fastest"] == "compile" and rec["measured_exactly"]
+    assert rec["line"] == "perfrun train precision.name=bf16 attention=eager compile=true"
+    assert a["verdict"].startswith("verdict: perfrun train precision.name=bf16 attention=eager compile=true  # 3.00×")
     data = json.loads(report.to_json(r))
     assert {"ladder", "leave_one_out", "tradeoffs", "recommended"} <= set(data)
     text = report.render_text(r, width=260)
     assert "not applicable on cpu" in text and "no measurable effect" in text and "FLAGGED" in text
     sdpa_line = next(line for line in text.splitlines() if line.startswith("│ sdpa"))
     assert "★" not in sdpa_line and "1.01×" not in sdpa_line
+
+
+def test_nothing_faster_than_the_naive_trainer_outside_the_noise_recommends_it(tmp_path: Path) -> None:
+    """A machine where every knob is within the noise of the naive trainer (or slower): the
+    verdict is the naive trainer, said as such, never the top rung's knobs."""
+    n = 0
+    for repeat in range(3):
+        for rung, tps in {"naive": [1000, 1040, 980], "naive_seed": [1000, 1010, 990], "bf16": [990, 1030, 1000],
+                          "sdpa": [900, 910, 905], "compile": [1010, 1050, 985]}.items():
+            plant(tmp_path / str(n), rung, repeat, tps[repeat])
+            n += 1
+    (a,) = report.load([tmp_path]).ablations
+    rec = a["recommended"]
+    assert rec["measured_as"] == "naive" and rec["knobs"] == [] and rec["fastest"] == "compile"
+    assert rec["line"] == "perfrun train attention=eager"  # the naive trainer, from perfrun's defaults
+    assert "the naive trainer: no configuration measured here was faster outside the noise" in a["verdict"]
 
 
 def test_a_contended_job_is_marked_and_never_counted(tmp_path: Path) -> None:

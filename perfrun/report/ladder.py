@@ -37,6 +37,8 @@ LOSS_FACTOR = 3.0
 LOSS_CEILING = 0.05
 #: keys a rung's configuration differs in that are not the knob (the line to paste leaves them out)
 NOT_KNOBS = ("ablation", "seed", "repeat")
+#: knobs that act on CUDA alone: a line to paste for another device leaves them out
+CUDA_ONLY = ("precision.tf32", "dataloader.pin_memory", "dataloader.device_input")
 
 
 def train_losses(job: Path) -> dict[int, float]:
@@ -208,56 +210,79 @@ def _tradeoffs(rs: _Rungs, top: str | None) -> list[dict[str, Any]]:
     return list(settings.values())
 
 
-def _line_to_paste(rs: _Rungs, ladder: list[dict[str, Any]], keep: list[str]) -> str:
-    """``perfrun train KEY=VALUE ...``: the keys each kept rung changed from the rung below it."""
-    changed: dict[str, Any] = {}
-    for below, e in pairwise(ladder):
-        if e["rung"] in keep:
-            under = rs.config(below["rung"])
-            changed.update({k: v for k, v in rs.config(e["rung"]).items() if under.get(k) != v})
-    return "perfrun train " + " ".join(f"{k}={_spelt(v)}" for k, v in changed.items())
+def _knob_keys(configs: list[dict[str, Any]]) -> list[str]:
+    """The configuration keys the measured jobs differ in: the knobs, in the first's order."""
+    keys = dict.fromkeys(k for c in configs for k in c)
+    return [k for k in keys if len({repr(c.get(k)) for c in configs}) > 1]
 
 
-def _recommend(rs: _Rungs, ladder: list[dict[str, Any]], without: list[dict[str, Any]]) -> dict[str, Any]:
-    """The top rung's knobs, less those that bought nothing measurable (fewer knobs win a tie;
-    a rung with no spread, one run on either side, bought nothing measured) or broke loss parity. Its figures are those of the job that ran exactly that set: the top
-    rung, or the top without the one knob dropped; else the top's, said so."""
+def _line_to_paste(config: dict[str, Any], keys: list[str]) -> str:
+    """``perfrun train KEY=VALUE ...``: the knobs where ``config`` differs from perfrun's
+    defaults, so that the line runs exactly the configuration that was measured."""
+    from omegaconf import OmegaConf
+
+    from perfrun.config import TrainConfig
+
+    defaults = _flat(OmegaConf.to_container(OmegaConf.structured(TrainConfig)))
+    changed = [f"{k}={_spelt(config.get(k))}" for k in keys if config.get(k) != defaults.get(k)]
+    return " ".join(["perfrun train", *changed])
+
+
+def _recommend(rs: _Rungs, ladder: list[dict[str, Any]], others: list[dict[str, Any]]) -> dict[str, Any]:
+    """The configuration to run: one that was measured (a rung, an alternative or a top
+    without one knob) and within loss parity. The fastest median wins, but among the jobs
+    whose range overlaps the fastest's (no measurable difference) the one with the fewest
+    knobs on (counted from the naive trainer) is chosen; so the naive trainer itself when
+    nothing beat it outside the noise. Its figures are its own."""
+    measured = [e for e in (*ladder, *others) if e["applicable"] and e["n"] and e.get("parity") != "FLAGGED"]
     climbed = [e for e in ladder if e["step"] and e["applicable"]]
-    keep = [e["rung"] for e in climbed if e["vs_below"] is not None and e["vs_below"] > 1
-            and e["vs_below_measurable"] is True and e["parity"] != "FLAGGED"]
-    dropped = [e["rung"] for e in climbed if e["rung"] not in keep]
-    if not keep:
+    if not measured:
         unranked = all(e["n"] == 0 and e["contended"] for e in ladder if e["applicable"])
-        return {"knobs": [], "dropped": dropped, "line": "perfrun train",
+        return {"knobs": [], "dropped": [e["rung"] for e in climbed], "line": "perfrun train",
                 "why": "no rung can be ranked: every job shared the machine (contended); rerun on a quiet machine"
-                if unranked else "no rung was measurably faster than the one below it (two uncontended runs of "
-                "each are needed to measure a spread)"}
-    ran = climbed[-1]
-    exact = not dropped
-    if len(dropped) == 1:
-        loo = next((e for e in without if e["knob"] == dropped[0] and e["n"]), None)
-        ran, exact = (loo, True) if loo is not None else (ran, False)
+                if unranked else "no job was measured (no completed, uncontended job within loss parity)"}
+    configs = {e["rung"]: rs.config(e["rung"]) for e in measured}
+    naive = configs.get("naive") or (rs.config("naive") if "naive" in rs.by_rung else {})
+    keys = [k for k in _knob_keys([naive, *configs.values()]) if rs.device == "cuda" or k not in CUDA_ONLY]
+    best = max(measured, key=lambda e: e["tokens_per_s"])
+    tied = [e for e in measured if e is best or effect(rs.tps(e["rung"]), rs.tps(best["rung"])).measurable is not True]
+    chosen = min(tied, key=lambda e: (sum(configs[e["rung"]].get(k) != naive.get(k) for k in keys), -e["tokens_per_s"]))
+    config = configs[chosen["rung"]]
+    on = [e["rung"] for below, e in pairwise(ladder) if e in climbed and _has(config, rs, below["rung"], e["rung"])]
     return {
-        "knobs": keep, "dropped": dropped, "line": _line_to_paste(rs, ladder, keep),
-        "measured_as": ran["rung"], "measured_exactly": exact, "speedup": ran["vs_baseline"],
-        "noise_pct": ran["vs_baseline_noise_pct"], "measurable": ran["vs_baseline_measurable"],
-        "peak_mem_mib": ran["peak_mem_mib"], "parity": ran.get("parity"), "loss_rel_diff": ran.get("loss_rel_diff"),
+        "knobs": on, "dropped": [e["rung"] for e in climbed if e["rung"] not in on],
+        "line": _line_to_paste(config, keys), "measured_as": chosen["rung"], "measured_exactly": True,
+        "fastest": best["rung"], "speedup": chosen["vs_baseline"], "noise_pct": chosen["vs_baseline_noise_pct"],
+        "measurable": chosen["vs_baseline_measurable"], "peak_mem_mib": chosen["peak_mem_mib"],
+        "parity": chosen.get("parity"), "loss_rel_diff": chosen.get("loss_rel_diff"),
+        "fastest_vs_naive": Effect(best["vs_baseline"], best["vs_baseline_noise_pct"],
+                                   best["vs_baseline_measurable"]).text() if best["rung"] != "naive" else None,
     }
+
+
+def _has(config: dict[str, Any], rs: _Rungs, below: str, rung: str) -> bool:
+    """Whether ``config`` holds what ``rung`` changed from the rung ``below`` it."""
+    under, mine = rs.config(below), rs.config(rung)
+    changed = {k: v for k, v in mine.items() if under.get(k) != v}
+    return bool(changed) and all(config.get(k) == v for k, v in changed.items())
 
 
 def verdict_line(rec: dict[str, Any], base_mem: float | None) -> str:
     """The sweep's last line: what to run, and what it bought."""
-    if not rec.get("knobs"):
+    if "measured_as" not in rec:
         return f"verdict: {rec['line']} (defaults): {rec.get('why', '')}"
-    speed = Effect(rec["speedup"], rec["noise_pct"], rec["measurable"]).text()
     mem = f"{rec['peak_mem_mib']:,.0f} MiB" if rec.get("peak_mem_mib") is not None else "n/a"
     if base_mem and rec.get("peak_mem_mib") is not None:
         mem += f" ({rec['peak_mem_mib'] / base_mem:.2f}× the naive trainer's)"
     rel = rec.get("loss_rel_diff")
     loss = f"loss {rel:+.2%} ({rec.get('parity')})" if rel is not None else "loss parity n/a"
-    how = f"as {rec['measured_as']}" if rec["measured_exactly"] else \
-        f"as {rec['measured_as']}, which also has {', '.join(rec['dropped'])}: this set itself was not run"
-    return f"verdict: {rec['line']}  # {speed} the naive trainer's tokens/s (measured {how}), peak memory {mem}, {loss}"
+    if rec["measured_as"] == "naive":
+        fastest = f" (the fastest, {rec['fastest']}: {rec['fastest_vs_naive']})" if rec.get("fastest_vs_naive") else ""
+        return (f"verdict: {rec['line']}  # the naive trainer: no configuration measured here was faster outside "
+                f"the noise{fastest}; peak memory {mem}")
+    speed = Effect(rec["speedup"], rec["noise_pct"], rec["measurable"]).text()
+    return (f"verdict: {rec['line']}  # {speed} the naive trainer's tokens/s (measured as {rec['measured_as']}), "
+            f"peak memory {mem}, {loss}")
 
 
 def ladders(report: Report, *, loss_window: float = DEFAULT_LOSS_WINDOW) -> list[dict[str, Any]]:
@@ -294,7 +319,7 @@ def _one_ladder(report: Report, root: str, rows: list[Row], window: float) -> di
     seed = rs.loss("naive_seed") if "naive_seed" in rs.by_rung else {}
     seed_gap = abs(seed["loss_rel_diff"]) if seed.get("loss_rel_diff") is not None else None
     tol, rule = _parity(ladder + alternatives + without, seed_gap)
-    recommended = _recommend(rs, ladder, without)
+    recommended = _recommend(rs, ladder, [*alternatives, *without])
     first = rows[0]
     contended = [r for r in rows if r.contended]
     notes = [f"{len(contended)} of {len(rows)} jobs shared the machine and are not counted (jobs "
