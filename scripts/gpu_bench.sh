@@ -25,8 +25,9 @@
 #                  host source with 0 and 2 workers, GPT-2 at batch 16                    (~3 min)
 #   speed-loss     loss=standard vs chunked, compiled, at batch 16 and at the largest batch
 #                  each allows (dataloader.batch_size=auto): peak memory and tokens/s      (~5 min)
-#   speed-fp8      fp8 vs bf16 loss parity over 300 steps (pysource, synthetic), and fp8 vs
-#                  bf16 tokens/s on gpt2, gpt2-medium, gpt2-large                          (~8 min)
+#   speed-fp8      fp8 vs bf16 loss parity over 300 steps (pysource, synthetic), and gpt2's
+#                  fp8 vs bf16 tokens/s                                                    (~3 min)
+#   speed-fp8-size fp8 vs bf16 tokens/s on gpt2-medium and gpt2-large                     (~5 min)
 #   all            every suite above, in that order
 #
 # The minutes are estimates for an H100/H200 (not measured yet). --dry-run prints the commands a
