@@ -31,7 +31,7 @@
 #   all            every suite above, in that order
 #
 # The minutes are estimates for an H100/H200 (not measured yet). --dry-run prints the commands a
-# suite would run (DIR shown as $OUT) and runs none of them. Run from the repository's root.
+# suite would run (DIR shown as $DIR) and runs none of them. Run from the repository's root.
 # Python is python3 unless PYTHON is set; the checkout is put on PYTHONPATH, so perfrun need not
 # be installed. The last lines printed are a short digest.
 set -uo pipefail
@@ -229,10 +229,10 @@ if $DRY; then  # every python3 call printed (on fd 3, past the suites' redirecti
   exec 3>&1
   R=$(mktemp -d) || exit 2
   trap 'rm -rf "$R"' EXIT
-  dry_python() { local line="python3 $*"; echo "${line//$R/\$OUT}" >&3; }
+  dry_python() { local line="python3 $*"; echo "${line//$R/\$DIR}" >&3; }
   PY=dry_python
   DIGEST="$R/digest.txt"
-  echo "# gpu_bench.sh --dry-run: from the repository's root, with PYTHONPATH=\$PWD and OUT=$OUT_DIR"
+  echo "# gpu_bench.sh --dry-run: from the repository's root, with PYTHONPATH=\$PWD and DIR=$OUT_DIR"
   for s in "${SUITES[@]}"; do
     echo "== $s"
     "suite_${s//-/_}" 2> /dev/null

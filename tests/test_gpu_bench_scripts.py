@@ -73,8 +73,8 @@ def test_dry_run_prints_every_suite_runs_nothing_and_its_overrides_compose(tmp_p
     with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
         for line in trains:  # a misspelt key or group fails here, as it would on the GPU machine
             compose("train", overrides=overrides(line))
-    assert "compare_ladders.py $OUT/ladder_gpt2_1 $OUT/ladder_gpt2_2" in res.stdout
-    assert "--profile-best $OUT/profiled_best" in res.stdout
+    assert "compare_ladders.py $DIR/ladder_gpt2_1 $DIR/ladder_gpt2_2" in res.stdout
+    assert "--profile-best $DIR/profiled_best" in res.stdout
     bad = dry_run("ladder-gtp2")
     assert bad.returncode == 2 and "unknown suite ladder-gtp2" in bad.stderr and bad.stdout == ""
 
