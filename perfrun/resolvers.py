@@ -20,19 +20,25 @@ def _cuda_index(device: str) -> int | None:
     """The CUDA device index ``device`` trains on, or None where it is not CUDA."""
     import torch
 
-    device = str(device)
-    if device == "auto":
+    if str(device) == "auto":
         return torch.cuda.current_device() if torch.cuda.is_available() else None
-    if not device.startswith("cuda"):
+    try:  # torch's parser, lenient about what this machine has (resolve_device refuses that later)
+        parsed = torch.device(str(device))
+    except RuntimeError:
         return None
-    return int(device.split(":", 1)[1]) if ":" in device else 0
+    return (parsed.index or 0) if parsed.type == "cuda" else None
 
 
 def device_kind(device: str) -> str:
     """``cuda`` where ``device`` trains on CUDA, else the device's type (``auto`` without a GPU: cpu)."""
+    import torch
+
     if _cuda_index(device) is not None:
         return "cuda"
-    return "cpu" if str(device) == "auto" else str(device).split(":", 1)[0]
+    try:
+        return "cpu" if str(device) == "auto" else torch.device(str(device)).type
+    except RuntimeError:
+        return str(device)
 
 
 def if_cuda(device: str, on_cuda: Any, otherwise: Any) -> Any:

@@ -86,6 +86,7 @@ class _Rungs:
     def __init__(self, report: Report, rows: list[Row], window: float) -> None:
         self.report, self.window = report, window
         self.by_rung: dict[str, list[Row]] = {}
+        self._configs: dict[str, dict[str, Any]] = {}
         for r in rows:
             self.by_rung.setdefault(r.ablation["rung"], []).append(r)
         self.device = next((r.device_type for r in rows if r.device_type), None)
@@ -129,9 +130,11 @@ class _Rungs:
             return {}
 
     def config(self, rung: str) -> dict[str, Any]:
-        """The rung's configuration as flat keys (from its first job's summary.json)."""
-        cfg = self.summary(self.by_rung[rung][0]).get("config") or {}
-        return {k: v for k, v in _flat(cfg).items() if k.split(".")[0] not in NOT_KNOBS}
+        """The rung's configuration as flat keys (from its first job's summary.json, read once)."""
+        if rung not in self._configs:
+            cfg = self.summary(self.by_rung[rung][0]).get("config") or {}
+            self._configs[rung] = {k: v for k, v in _flat(cfg).items() if k.split(".")[0] not in NOT_KNOBS}
+        return self._configs[rung]
 
 
 def _entry(rs: _Rungs, rung: str, against: Spread | None = None, base: Spread | None = None) -> dict[str, Any]:
