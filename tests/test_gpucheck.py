@@ -270,7 +270,7 @@ def test_cpu_precision_says_bf16_is_slower_here():
     c = by_name(measurement_checks(meas), "cpu precision")
     assert c.status == WARN
     assert c.detail == "fp32 is the fastest precision on this CPU: bf16 matmuls run at 0.40x fp32, fp16 matmuls run at 0.05x fp32"
-    assert "precision=none" in c.fix and "AMX" in c.fix
+    assert "precision=none" in c.fix and "AMX" in c.fix and "+sweep=ablation" in c.fix
     assert by_name(evaluate(report(cuda={"torch_device_count": 0, "nvml_device_count": 0}, gpus=[],
                                    measurements=meas)), "cpu precision").status == WARN
     assert cpu_precision(cpu_meas(spread=None, bf16=0.4))["verdict_vs_fp32"] == {"bf16": "slower"}  # medians alone
@@ -279,7 +279,8 @@ def test_cpu_precision_says_bf16_is_slower_here():
 def test_cpu_precision_recommends_a_faster_precision_only_beyond_the_noise():
     c = by_name(measurement_checks(cpu_meas(bf16=2.0, fp16=1.2)), "cpu precision")
     assert c.status == OK and c.detail == (
-        "bf16 matmuls run at 2.00x fp32 on this CPU (vs fp32: bf16 2.00x, fp16 1.20x): train with precision=bf16 here")
+        "bf16 matmuls run at 2.00x fp32 on this CPU (vs fp32: bf16 2.00x, fp16 1.20x): try precision=bf16 here; "
+        "the ladder (perfrun train -m +sweep=ablation) times whole training steps")
     assert cpu_precision(cpu_meas(bf16=0.5, fp16=1.3))["override"] == "precision=fp16"
     # 5 % faster is inside a CPU matmul's noise: fp32, which needs no knob, stays the advice
     near = cpu_meas(bf16=1.05, fp16=0.97)
@@ -287,7 +288,8 @@ def test_cpu_precision_recommends_a_faster_precision_only_beyond_the_noise():
     c = by_name(measurement_checks(near), "cpu precision")
     assert c.status == OK and c.detail == ("no precision is measurably faster than fp32 on this CPU "
                                            "(vs fp32: bf16 1.05x, fp16 0.97x, within the noise): "
-                                           "train in fp32 here (precision=none, the default)")
+                                           "fp32 (precision=none, the default) for matmuls; "
+                                           "the ladder (perfrun train -m +sweep=ablation) times whole training steps")
     c = by_name(measurement_checks(cpu_meas(bf16=1.05, fp16=0.5)), "cpu precision")
     assert c.status == WARN and c.detail == "no precision is measurably faster than fp32 on this CPU: fp16 matmuls run at 0.50x fp32"
     # 1.3x by the medians, but the repeats overlap (a busy machine): not a measured gain, nor a loss

@@ -345,6 +345,11 @@ def cpu_precision(meas: dict[str, Any]) -> dict[str, Any] | None:
     }
 
 
+#: A matmul's speed is not a training step's: autocast also halves the activations' memory
+#: traffic and adds casts, so the precision advice points to the measurement that settles it.
+LADDER_HINT = "the ladder (perfrun train -m +sweep=ablation) times whole training steps"
+
+
 def _times(ratio: float) -> str:
     return f"{ratio:.2f}x" if ratio >= 0.01 else f"{ratio:.1g}x"
 
@@ -362,18 +367,18 @@ def cpu_precision_check(meas: dict[str, Any]) -> Check | None:
     if rec != "fp32":
         return Check(S, "cpu precision", OK,
                      f"{rec} matmuls run at {_times(speed[rec])} fp32 on this CPU ({listed}): "
-                     f"train with {advice['override']} here")
+                     f"try {advice['override']} here; {LADDER_HINT}")
     head = ("fp32 is the fastest precision on this CPU" if advice["fastest"] == "fp32"
             else "no precision is measurably faster than fp32 on this CPU")
     slower = [dt for dt, v in verdict.items() if v == "slower"]
     if not slower:
         return Check(S, "cpu precision", OK, f"{head} ({listed}, within the noise): "
-                     "train in fp32 here (precision=none, the default)")
+                     f"fp32 (precision=none, the default) for matmuls; {LADDER_HINT}")
     said = ", ".join(f"{dt} matmuls run at {_times(speed[dt])} fp32" for dt in slower)
     return Check(
         S, "cpu precision", WARN, f"{head}: {said}",
-        "train in fp32 on this CPU (precision=none, the default); bf16 and fp16 pay off on GPUs "
-        "and on CPUs with AVX512-BF16 or AMX",
+        "for matmuls, fp32 (precision=none, the default) on this CPU; bf16 and fp16 pay off "
+        f"on GPUs and on CPUs with AVX512-BF16 or AMX; {LADDER_HINT}",
     )
 
 
