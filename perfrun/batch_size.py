@@ -16,8 +16,8 @@ optimizer step, on random tokens of the run's sequence length. It leaves the run
 it found it: gradients are zeroed and the step is taken at lr 0, so parameters do not
 move; the optimizer state is cleared after the search; the RNG states are restored; random
 tokens come from a private generator. Trials call the uncompiled model (with activation
-checkpointing, which patches the model in place): compiling once per trial size would cost
-minutes, and the compiled step is not expected to need more memory than the eager one.
+checkpointing, which patches the model in place; blocks that ``compile_options.scope=blocks``
+compiled in place run eagerly here): compiling once per trial size would cost minutes, and the compiled step is not expected to need more memory than the eager one.
 
 **Memory**, by device:
 
@@ -53,6 +53,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from perfrun.config import ConfigError
+from perfrun.knobs import compilation
 
 log = logging.getLogger("perfrun")
 
@@ -322,8 +323,9 @@ def resolve_auto_batch(
     rng = _rng_state(device)
     t0 = time.perf_counter()
     try:
-        trial.prime()
-        result = search(trial, start=1, cap=cap, margin=float(dl.batch_margin))
+        with compilation.eager():  # each trial's batch would compile anew (scope=blocks compiles in place)
+            trial.prime()
+            result = search(trial, start=1, cap=cap, margin=float(dl.batch_margin))
     except NoBatchFits:
         where = f"the budget of {budget_mib:,.0f} MiB" if budget_mib is not None else f"{device}'s memory"
         raise ConfigError(

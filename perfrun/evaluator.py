@@ -8,7 +8,7 @@ import time
 import torch
 
 from perfrun import distributed
-from perfrun.knobs import Plan
+from perfrun.knobs import Plan, compilation
 from perfrun.summary import RunSummary
 
 log = logging.getLogger("perfrun")
@@ -46,7 +46,7 @@ class Evaluator:
             if i >= self.batches:
                 break
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-            with self.plan.forward_context():
+            with self.plan.forward_context(), compilation.eager():  # the plain model, eagerly
                 _, loss = model(x, y)
             losses.append(loss.float())
         model.train()

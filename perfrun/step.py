@@ -133,6 +133,8 @@ class TrainStep:
         """Run optimizer step ``step``; return its loss and gradient norm (on the device,
         unsynchronised) and the seconds spent waiting for batches."""
         plan, micro, mark, device = self.plan, self.plan.micro_steps, self.metrics.phases.mark, self.device
+        for hook in plan.step_start_hooks:
+            hook(step)
         self.metrics.begin_step()
         wait = 0.0
         step_loss = torch.zeros((), device=device)

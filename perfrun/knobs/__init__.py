@@ -34,6 +34,7 @@ class Plan:
     scaler: torch.amp.GradScaler = field(default_factory=_no_scaling)
     contexts: list[Callable[[], AbstractContextManager[Any]]] = field(default_factory=list)
     step_hooks: list[Callable[[int], None]] = field(default_factory=list)  # called after each step (profiler)
+    step_start_hooks: list[Callable[[int], None]] = field(default_factory=list)  # before each step (CUDA graphs)
     notes: dict[str, Any] = field(default_factory=dict)  # what each knob did, for summary.json
     sharded_state: bool = False  # FSDP: every rank saves and loads its own shards
     # Entered around forward and backward of micro-step i of n (DDP, FSDP: no gradient sync but on the last).

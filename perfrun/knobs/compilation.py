@@ -13,14 +13,18 @@ kernel choices, no CUDA graphs); ``reduce-overhead`` and ``max-autotune`` replay
 graphs, which the step path allows: shapes never change (``drop_last``, a fixed batch),
 no host sync inside a step, and the compiled call takes only the batch (the loss function
 and its chunk size are constants of the model). With CUDA graphs, each optimizer step
-starts a new graph generation (``cudagraph_mark_step_begin``), so outputs the last step
-left behind are known to be dead.
+starts a new graph generation (``cudagraph_mark_step_begin``) before its first micro-batch,
+so outputs the last step left behind are known to be dead, while the gradients its
+micro-batches accumulate stay alive to the optimizer (marking after a step instead would
+leave a job's first step to inductor's own generations, which free the first
+micro-batch's gradients when the second forward starts: ``torch.compiler.reset`` at a
+job's end zeroes the mark counter).
 """
 
 from __future__ import annotations
 
 import shutil
-from contextlib import ExitStack
+from contextlib import AbstractContextManager, ExitStack
 from typing import Any
 
 import torch
@@ -31,8 +35,16 @@ CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 
 def next_graph_generation(step: int) -> None:
-    """After a step: the next one starts a new CUDA graph generation."""
+    """Before a step: it starts a new CUDA graph generation."""
     torch.compiler.cudagraph_mark_step_begin()
+
+
+def eager() -> AbstractContextManager[Any]:
+    """Compiled code runs eagerly inside. The auto-batch trials and eval call the plain
+    model, whose blocks ``scope=blocks`` compiled in place: without this each trial's batch
+    and eval's no-grad mode would compile anew (minutes on a GPU, and past inductor's
+    recompile limit the chosen batch would run eagerly for the whole run)."""
+    return torch.compiler.set_stance("force_eager")
 
 
 def apply(cfg: Any, device: torch.device, plan: Any, stack: ExitStack) -> None:
@@ -55,7 +67,7 @@ def apply(cfg: Any, device: torch.device, plan: Any, stack: ExitStack) -> None:
             block.forward = torch.compile(block.forward, **options)  # maybe checkpoint-wrapped already
             stack.callback(block.__dict__.pop, "forward", None)
     if device.type == "cuda" and opts.mode in CUDA_GRAPH_MODES:
-        plan.step_hooks.append(next_graph_generation)
+        plan.step_start_hooks.append(next_graph_generation)
     stack.callback(torch.compiler.reset)
     plan.notes["compile_options"] = {"mode": opts.mode, "fullgraph": bool(opts.fullgraph), "dynamic": opts.dynamic,
                                      "scope": scope}
