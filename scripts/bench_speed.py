@@ -2,7 +2,7 @@
 """The speed knobs against the plain nanoGPT-recipe loop, alternating, in one process.
 
     python scripts/bench_speed.py [--steps N] [--warmup W] [--repeats R] [--json FILE]
-                                  [--all-mode MODE] [hydra overrides ...]
+                                  [--all-mode MODE] [--variants NAME,...] [hydra overrides ...]
 
 The overrides set the base (e.g. ``model=gpt2 data=synthetic dataloader.batch_size=16
 device=cuda precision=bf16 compile=true``). Each repeat runs, in turn, the plain loop of
@@ -16,8 +16,12 @@ scripts/bench_train.py (kept as it is: no new knob reaches it) and perfrun with:
   all (bf16)       every knob above that runs here but fp8, compile mode --all-mode
   all              the same with fp8
 
-A variant that cannot run here is skipped with the reason. Printed per variant: the
-median over repeats of the mean tokens/s after the warm-up, its ratio to the plain loop,
+``--variants`` runs only the named ones (the plain loop always runs: every ratio is to it).
+A variant that cannot run here is skipped with the reason; one that fails is named with its
+error and the others go on. Each finished run is printed as it ends and, with ``--json``,
+written at once, so a run stopped part-way keeps what it measured. Printed per variant: the
+median over repeats of the mean tokens/s after the warm-up, the spread of the repeats
+(± half their range, in % of the median, as perfrun report prints it), its ratio to the plain loop,
 the bf16-equivalent MFU (nanoGPT's FLOPs per token x tokens/s over the H100's 989.5 TFLOPS
 dense bf16, whatever the device and dtype) and the peak memory. ``--profile-best DIR`` then
 runs the fastest perfrun variant once more under the profiler (``profile=true``) into DIR
@@ -93,6 +97,9 @@ def variants(all_mode: str) -> list[tuple[str, list[str]]]:
     ]
 
 
+PLAIN = "plain (nanoGPT recipe)"
+
+
 def runnable(knobs: list[str], base: Any, device: torch.device) -> list[str]:
     """For the 'all' rows: the knobs that run here (a compile mode that cannot falls back to
     default, and the row says which knobs it has)."""
@@ -114,6 +121,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--all-mode", default="max-autotune-no-cudagraphs", choices=("default", *COMPILE_MODES),
                     help="the compile mode of the 'all' rows")
+    ap.add_argument("--variants", type=lambda v: [n.strip() for n in v.split(",") if n.strip()],
+                    help="run only these variants (comma-separated names as printed; the plain loop always runs)")
     ap.add_argument("--json", type=Path, help="also write the figures here")
     ap.add_argument("--profile-best", type=Path, metavar="DIR",
                     help="profile the fastest perfrun variant into DIR and print its top kernels")
@@ -127,7 +136,15 @@ def main() -> int:
     device = resolve_device(base.device)
     plan: list[tuple[str, list[str]]] = []
     skipped: dict[str, str] = {}
-    for name, knobs in variants(args.all_mode):
+    chosen = variants(args.all_mode)
+    if args.variants:
+        unknown = [n for n in args.variants if n not in dict(chosen)]
+        if unknown:
+            print(f"bench_speed.py: no variant {', '.join(map(repr, unknown))}; the variants are "
+                  f"{', '.join(repr(n) for n, _ in chosen)}", file=sys.stderr)
+            return 2
+        chosen = [(n, k) for n, k in chosen if n in args.variants]
+    for name, knobs in chosen:
         if name == "all" and skip_reason(["precision=fp8"], base, device):
             skipped[name] = skip_reason(["precision=fp8"], base, device) or ""
             continue
@@ -141,11 +158,26 @@ def main() -> int:
             plan.append((name, knobs))
 
     rows: list[dict[str, Any]] = []
+    failed: dict[str, str] = {}
     for r in range(args.repeats):  # alternating, so drift on the machine hits every variant alike
-        rows.append({"repeat": r, "variant": "plain (nanoGPT recipe)", **plain_loop(base, args.warmup)})
-        for name, knobs in plan:
-            rows.append({"repeat": r, "variant": name, **perfrun_row([*common, *knobs])})
-    result = report(rows, base, skipped, args)
+        for name, knobs in [(PLAIN, None), *plan]:
+            if name in failed:
+                continue
+            try:
+                row = plain_loop(base, args.warmup) if knobs is None else perfrun_row([*common, *knobs])
+            except Exception as e:  # noqa: BLE001 - a variant that breaks is a finding; the others go on
+                if knobs is None:
+                    raise
+                failed[name] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+                print(f"failed {name} (repeat {r}): {failed[name]}", flush=True)
+                continue
+            rows.append({"repeat": r, "variant": name, **row})
+            print(f"repeat {r} {name}: {row['tokens_per_s']:,.0f} tokens/s", flush=True)
+            if args.json:
+                partial = {"base": args.overrides, "repeats_done": r, "rows": rows, "failed": failed}
+                args.json.write_text(json.dumps(partial, indent=2, default=str))
+    result = report(rows, base, {**skipped, **{n: f"failed: {why}" for n, why in failed.items()}}, args)
+    result["failed"] = failed
     if args.json:
         args.json.write_text(json.dumps(result, indent=2, default=str))
     if args.profile_best:
@@ -168,23 +200,26 @@ def profile_best(table: dict[str, dict[str, Any]], plan: dict[str, list[str]], c
 def report(rows: list[dict[str, Any]], base: Any, skipped: dict[str, str], args: argparse.Namespace) -> dict[str, Any]:
     """Print the table (medians over repeats) and return it with every row."""
     fpt = next(r["flops_per_token"] for r in rows if "flops_per_token" in r)
-    names = list(dict.fromkeys(r["variant"] for r in rows))
+    names = list(dict.fromkeys(r["variant"] for r in rows))  # the plain loop first
     table = {}
     for name in names:
-        mine = [r for r in rows if r["variant"] == name]
-        tps = median([r["tokens_per_s"] for r in mine])
-        table[name] = {"tokens_per_s": tps, "peak_mem_mib": mine[0].get("peak_mem_mib"),
-                       "gpu_starved_pct": mine[-1].get("gpu_starved_pct"), "fp8_kept": mine[0].get("fp8_kept")}
+        mine = [r["tokens_per_s"] for r in rows if r["variant"] == name]
+        first = next(r for r in rows if r["variant"] == name)
+        tps = median(mine)
+        table[name] = {"tokens_per_s": tps, "repeats": len(mine), "spread_pct": 50 * (max(mine) - min(mine)) / tps,
+                       "peak_mem_mib": first.get("peak_mem_mib"), "fp8_kept": first.get("fp8_kept"),
+                       "gpu_starved_pct": [r.get("gpu_starved_pct") for r in rows if r["variant"] == name][-1]}
     plain = table[names[0]]["tokens_per_s"]
     device = next((r["device"] for r in rows if "device" in r), "?")
     print(f"base: {' '.join(args.overrides) or '(defaults)'}; steps {args.steps}, warm-up {args.warmup}, "
           f"repeats {args.repeats}; device {device}; torch {torch.__version__}")
-    print(f"{'variant':<32} {'tokens/s':>11} {'x plain':>8} {'bf16-eq MFU %':>13} {'peak MiB':>9}")
+    print(f"{'variant':<32} {'tokens/s':>11} {'spread':>7} {'x plain':>8} {'bf16-eq MFU %':>13} {'peak MiB':>9}")
     for name, row in table.items():
         row["ratio"] = row["tokens_per_s"] / plain
         row["mfu_bf16_equivalent"] = fpt * row["tokens_per_s"] / (H100_BF16_TFLOPS * 1e12)
         mem = row["peak_mem_mib"]
-        print(f"{name:<32} {row['tokens_per_s']:>11,.0f} {row['ratio']:>8.3f} "
+        spread = f"±{row['spread_pct']:.1f}%" if row["repeats"] > 1 else "1 run"
+        print(f"{name:<32} {row['tokens_per_s']:>11,.0f} {spread:>7} {row['ratio']:>8.3f} "
               f"{100 * row['mfu_bf16_equivalent']:>13.3f} {'n/a' if mem is None else format(mem, ',.0f'):>9}")
     for name, why in skipped.items():
         print(f"skipped {name}: {why}")

@@ -13,9 +13,12 @@
 #   compile-scope  compile_options.scope=model vs blocks under none/ddp/fsdp
 #   fsdp-cost      FSDP2's one-GPU host overhead, gpt2 to gpt2-xl: plain vs FSDP2 vs FSDP2 with its host-overhead settings
 #   generate       scripts/bench_generate.py (where present)
-#   speed          scripts/bench_speed.py: the speed knobs (device input, loss=chunked, fp8, compile
-#                  modes, all of them) against the plain nanoGPT-recipe loop; gpt2 and the tiny model;
-#                  the fastest gpt2 variant profiled (its top kernels)                    (~8 min)
+#   speed          scripts/bench_speed.py, GPT-2 124M, 3 repeats: perfrun's best bf16 configuration and
+#                  its best with FP8 against the plain nanoGPT-recipe loop (the issue's 1.10x and 1.25x);
+#                  the fastest variant profiled (its top kernels)                         (~5 min)
+#   speed-knobs    the same loop against each speed knob alone (host input, loss=chunked, fp8, the three
+#                  compile modes), GPT-2 124M, 2 repeats                                  (~7 min)
+#   speed-tiny     every variant on the default model, where launch overhead dominates  (~5 min)
 #   ladder-gpt2    +sweep=ablation, GPT-2 124M, synthetic, seq 1024, batch 16, 1 repeat   (~8 min)
 #   ladder-tiny    +sweep=ablation, the default model on pysource, 2 repeats              (~5 min)
 #                  each ladder call runs the ladder once into DIR/ladder_NAME_N and writes its
@@ -132,17 +135,32 @@ suite_generate() {
   tail -12 "$R/bench_generate.txt" >> "$DIGEST"
 }
 
+SPEED_ROWS="^(plain|host|perfrun|loss|precision|mode|all|skipped|failed)"
+
 suite_speed() {
-  "$PY" scripts/bench_speed.py --steps 60 --warmup 20 --repeats 3 --json "$R/bench_speed_gpt2.json" \
-    --profile-best "$R/profiled_best" $GPT2 compile=true > "$R/bench_speed_gpt2.txt" 2>&1
+  "$PY" scripts/bench_speed.py --steps 60 --warmup 20 --repeats 3 --variants "perfrun,all (bf16),all" \
+    --json "$R/bench_speed_gpt2.json" --profile-best "$R/profiled_best" $GPT2 compile=true \
+    > "$R/bench_speed_gpt2.txt" 2>&1
   echo "speed (gpt2) rc=$?" >> "$DIGEST"
-  grep -E "^(plain|host|perfrun|loss|precision|mode|all|skipped)" "$R/bench_speed_gpt2.txt" >> "$DIGEST"
+  grep -E "$SPEED_ROWS" "$R/bench_speed_gpt2.txt" >> "$DIGEST"
   sed -n '/^profiled: /,/^Self CUDA time total/p' "$R/bench_speed_gpt2.txt" >> "$DIGEST"
+}
+
+suite_speed_knobs() {
+  "$PY" scripts/bench_speed.py --steps 60 --warmup 20 --repeats 2 --json "$R/bench_speed_knobs.json" \
+    --variants "perfrun,host input,loss=chunked,precision=fp8,mode=max-autotune-no-cudagraphs,mode=reduce-overhead,mode=max-autotune" \
+    $GPT2 compile=true > "$R/bench_speed_knobs.txt" 2>&1
+  echo "speed-knobs (gpt2) rc=$?" >> "$DIGEST"
+  grep -E "$SPEED_ROWS" "$R/bench_speed_knobs.txt" >> "$DIGEST"
+}
+
+suite_speed_tiny() {
   "$PY" scripts/bench_speed.py --steps 200 --warmup 50 --repeats 3 --json "$R/bench_speed_tiny.json" \
+    --variants "perfrun,host input,mode=max-autotune-no-cudagraphs,mode=reduce-overhead,mode=max-autotune,all (bf16)" \
     model=tiny data=synthetic dataloader.batch_size=16 device=cuda precision=bf16 compile=true \
     > "$R/bench_speed_tiny.txt" 2>&1
   echo "speed (tiny) rc=$?" >> "$DIGEST"
-  grep -E "^(plain|host|perfrun|loss|precision|mode|all|skipped)" "$R/bench_speed_tiny.txt" >> "$DIGEST"
+  grep -E "$SPEED_ROWS" "$R/bench_speed_tiny.txt" >> "$DIGEST"
 }
 
 # One run of the ladder into $R/ladder_NAME_N (N: the first free number), its Markdown report,
@@ -165,9 +183,15 @@ ladder() {  # ladder NAME GOAL_PCT OVERRIDES...
   fi
 }
 
-suite_ladder_gpt2() {  # 29 rungs x 1 repeat; on FP8 GPUs every one but 4 compiled, most in max-autotune mode
+# The ladder's rungs but the largest-batch ones: with dataloader.batch_size=16 fixed on the command line (it
+# wins over their batch_size=auto) they would run at batch 16 and measure nothing of their own.
+GPT2_RUNGS="naive,naive_seed,tf32,bf16,fp16,sdpa,fused_adamw,compile,workers,device_input,chunked_loss,compile_mode,\
+fp8,without_tf32,without_bf16,without_sdpa,without_fused_adamw,without_compile,without_workers,without_device_input,\
+without_chunked_loss,without_compile_mode,without_fp8,checkpointing_selective,checkpointing_full,accumulation"
+
+suite_ladder_gpt2() {  # 26 rungs x 1 repeat; on FP8 GPUs every one but 4 compiled, most in max-autotune mode
   ladder gpt2 3 model=gpt2 data=synthetic dataloader.batch_size=16 device=cuda ablation.repeats=1 \
-    max_steps=30 timing_warmup_steps=10 log_every=5 eval_every=0
+    "+ablation=$GPT2_RUNGS" max_steps=30 timing_warmup_steps=10 log_every=5 eval_every=0
 }
 
 suite_ladder_tiny() {  # the default model and data: 29 rungs x 2 repeats
@@ -217,8 +241,8 @@ suite_speed_fp8_size() {  # fp8 vs bf16 tokens/s on the wider models
   done
 }
 
-ALL="tests gpu-check trainer monitor distributed compile-scope fsdp-cost generate speed ladder-gpt2 ladder-tiny \
-starvation speed-loss speed-fp8 speed-fp8-size"
+ALL="tests gpu-check trainer monitor distributed compile-scope fsdp-cost generate speed speed-knobs speed-tiny \
+ladder-gpt2 ladder-tiny starvation speed-loss speed-fp8 speed-fp8-size"
 SUITES=()
 for s in "$@"; do
   if [ "$s" = all ]; then SUITES+=($ALL); continue; fi
@@ -229,7 +253,13 @@ if $DRY; then  # every python3 call printed (on fd 3, past the suites' redirecti
   exec 3>&1
   R=$(mktemp -d) || exit 2
   trap 'rm -rf "$R"' EXIT
-  dry_python() { local line="python3 $*"; echo "${line//$R/\$DIR}" >&3; }
+  dry_python() {  # each word as the shell reads it back: quoted where it holds a space or a shell character
+    local line="python3" a q="'"
+    for a in "$@"; do
+      if [[ $a =~ [[:space:]\(\)\'\"\;\&\|\<\>\*] ]]; then line+=" '${a//$q/$q\\$q$q}'"; else line+=" $a"; fi
+    done
+    echo "${line//$R/\$DIR}" >&3
+  }
   PY=dry_python
   DIGEST="$R/digest.txt"
   echo "# gpu_bench.sh --dry-run: from the repository's root, with PYTHONPATH=\$PWD and DIR=$OUT_DIR"

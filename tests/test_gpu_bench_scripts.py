@@ -73,6 +73,9 @@ def test_dry_run_prints_every_suite_runs_nothing_and_its_overrides_compose(tmp_p
     with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
         for line in trains:  # a misspelt key or group fails here, as it would on the GPU machine
             compose("train", overrides=overrides(line))
+    known = dict(script("bench_speed").variants("default"))
+    chosen = [shlex.split(ln)[shlex.split(ln).index("--variants") + 1] for ln in calls if "--variants" in ln]
+    assert len(chosen) == 3 and all(n in known for names in chosen for n in names.split(","))  # names as printed
     assert "compare_ladders.py $DIR/ladder_gpt2_1 $DIR/ladder_gpt2_2" in res.stdout
     assert "--profile-best $DIR/profiled_best" in res.stdout
     bad = dry_run("ladder-gtp2")
@@ -158,3 +161,35 @@ def test_starvation_benchmark_runs_its_four_cases_on_the_cpu(tmp_path: Path) -> 
     assert cases["slow, 0 workers"]["host_data_wait_pct"] > 0  # the sleep before each window is waited for
     assert all((Path(c["run_dir"]) / "summary.json").is_file() for c in cases.values())
     assert "starvation: synthetic n/a, memmap n/a" in res.stdout
+
+
+def test_speed_benchmark_names_a_failing_variant_and_keeps_the_others(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """bench_speed on the CPU, two repeats of a tiny model: a variant that breaks is reported
+    with its error while the plain loop and the rest are measured, with their spread; a
+    variant the CPU cannot run is skipped with the reason; an unknown name is refused."""
+    bench = script("bench_speed")
+    real_row = bench.perfrun_row
+
+    def row(overrides: list[str]) -> dict[str, Any]:
+        if "loss=chunked" in overrides:
+            raise RuntimeError("planted failure\nsecond line")
+        return real_row(overrides)
+
+    monkeypatch.setattr(bench, "perfrun_row", row)
+    out = tmp_path / "speed.json"
+    base = ["device=cpu", "model.n_layer=1", "model.n_head=2", "model.n_embd=16", "model.block_size=16",
+            "dataloader.batch_size=2"]
+    monkeypatch.setattr(sys, "argv", ["bench_speed.py", "--steps", "3", "--warmup", "1", "--repeats", "2",
+                                      "--variants", "perfrun,loss=chunked,precision=fp8", "--json", str(out), *base])
+    assert bench.main() == 0
+    result = json.loads(out.read_text())
+    assert list(result["table"]) == ["plain (nanoGPT recipe)", "perfrun"]
+    assert all(t["repeats"] == 2 and t["spread_pct"] >= 0 for t in result["table"].values())
+    assert result["failed"] == {"loss=chunked": "RuntimeError: planted failure"}
+    assert "FP8 tensor cores" in result["skipped"]["precision=fp8"]
+    shown = capsys.readouterr().out
+    assert "failed loss=chunked (repeat 0): RuntimeError: planted failure" in shown
+    assert "skipped loss=chunked: failed: RuntimeError" in shown and re.search(r"^perfrun +[\d,]+ +±", shown, re.M)
+    monkeypatch.setattr(sys, "argv", ["bench_speed.py", "--variants", "perfrun,fp9", *base])
+    assert bench.main() == 2 and "no variant 'fp9'" in capsys.readouterr().err
