@@ -28,13 +28,12 @@ import torch
 
 from perfrun import __version__, distributed, safe_checkpoint
 from perfrun.atomic import atomic_write, fsync_dir
+from perfrun.checkpoint_names import META, is_sharded, list_checkpoints  # noqa: F401 - part of this module's API
 from perfrun.config import ConfigError
 from perfrun.console import first_line
 
 FORMAT = 1
-_NAME = re.compile(r"^step_(\d+)(\.pt)?$")
 _PARTIAL = re.compile(r"^\.step_\d+(\.replaced)?\.partial$")
-META = "meta.pt"  # in a sharded checkpoint folder: everything but the model and optimizer
 SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")
 
 
@@ -225,20 +224,6 @@ def check_writable(folder: Path) -> None:
         raise ConfigError(
             f"checkpoint.dir={folder} is not writable ({e.strerror or e}); set checkpoint.dir to a writable folder"
         ) from None
-
-
-def is_sharded(path: Path) -> bool:
-    return Path(path).is_dir() and (Path(path) / META).is_file()
-
-
-def list_checkpoints(folder: Path) -> list[Path]:
-    """Complete checkpoints in ``folder`` (files and sharded folders), oldest first;
-    temporary files and folders cut short are ignored."""
-    if not Path(folder).is_dir():
-        return []
-    found = [(int(m.group(1)), p.stat().st_mtime, p) for p in Path(folder).iterdir()
-             if (m := _NAME.match(p.name)) and (p.is_file() if m.group(2) else is_sharded(p))]
-    return [p for *_, p in sorted(found)]  # a step in both layouts (a reused run dir): the newer last
 
 
 def load(path: Path) -> dict[str, Any]:

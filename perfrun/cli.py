@@ -241,7 +241,7 @@ def _continue_run(composed: Any) -> tuple[list[str], Path]:
     dir the job will write into."""
     from omegaconf import OmegaConf
 
-    from perfrun.checkpoint_files import list_checkpoints
+    from perfrun.checkpoint_names import list_checkpoints
     from perfrun.resume_search import RunSearch, find_run, job_config, search_root
 
     run_dir = Path(str(composed.hydra.run.dir))

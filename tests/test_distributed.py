@@ -8,6 +8,9 @@ fixtures and kept to a few steps of a tiny model.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +19,7 @@ from perfrun.data import ResumableSampler
 from perfrun.telemetry.sinks import gpu_parts
 from perfrun.train import run
 
-from conftest import TINY_MODEL, losses, make_cfg, run_cli, torchrun
+from conftest import REPO, TINY_MODEL, losses, make_cfg, run_cli, torchrun
 
 # float32 sums in another order (two half-batch means averaged by the all-reduce, against
 # one mean over the whole batch): equal to ~1e-7 relative; 1e-5 leaves room.
@@ -161,3 +164,22 @@ def test_bad_distributed_input_gets_one_line(args: list[str], says: str, tmp_pat
     lines = [line for line in p.stderr.splitlines() if line.strip()]
     assert p.returncode == 2 and len(lines) == 1 and says in lines[0], p.stderr
     assert not (tmp_path / "outputs").exists()
+
+
+LAUNCHER_ONLY = """
+import sys
+import perfrun.launch as launch
+launch.run_torchrun = lambda nproc, args: print("torchrun", nproc, *args) or 0
+from perfrun.cli import main
+code = main(["train", "distributed=ddp", "nproc=2", "device=cpu", "resume=auto", "hydra.run.dir=" + sys.argv[1]])
+print("exit", code, "torch imported:", "torch" in sys.modules)
+"""
+
+
+def test_the_launcher_starts_torchrun_without_importing_torch(tmp_path: Path) -> None:
+    """The process that starts torchrun composes, validates and looks for the run resume=auto
+    continues, all without torch (its import is two seconds of every multi-rank start)."""
+    res = subprocess.run([sys.executable, "-c", LAUNCHER_ONLY, str(tmp_path / "run")], cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "torchrun 2 " in res.stdout and "exit 0 torch imported: False" in res.stdout, res.stdout

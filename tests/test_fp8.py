@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 
 from perfrun.config import ConfigError
 from perfrun.knobs import Plan
-from perfrun.knobs.fp8 import RECIPES, apply, check, choose_layers, convert, refusal
+from perfrun.knobs.fp8 import RECIPES, apply, check, choose_layers, convert, inner_rows, refusal
 from perfrun.model import GPT, GPTConfig
 
 pytest.importorskip("torchao")
@@ -111,7 +111,9 @@ def test_conversion_on_the_cpu_swaps_the_chosen_layers(recipe: str) -> None:
     assert list(model.state_dict()) == names  # checkpoints keep their keys
     assert not layers.pad_inner_dim
     assert convert(tiny_gpt(), recipe, tokens=3 * 30).pad_inner_dim  # 90 rows: padded to 96
-    assert convert(tiny_gpt(), recipe, tokens=None).pad_inner_dim  # unknown (batch_size=auto)
+    assert convert(tiny_gpt(), recipe, tokens=None).pad_inner_dim  # unknown
+    # batch_size=auto: unknown when fp8 converts, but any batch x 1024 is a multiple of 16, any x 30 not
+    assert inner_rows(3, 30) == 90 and inner_rows("auto", 1024) == 1024 and inner_rows("auto", 30) is None
 
 
 def train(model: GPT, device: torch.device, steps: int, dtype: torch.dtype | None = None) -> list[float]:

@@ -102,9 +102,9 @@ def choose_layers(model: nn.Module) -> Fp8Layers:
 def convert(model: nn.Module, recipe: str, *, tokens: int | None = None, emulate: bool = False) -> Fp8Layers:
     """Swap the layers FP8 can take for torchao's Float8Linear, in place.
 
-    ``tokens``: rows per micro-batch (batch x sequence), the inner dimension of the weight
-    gradient's matmul, which FP8 also needs in multiples of 16: otherwise (or unknown, as
-    with an automatic batch size) torchao pads it, at the cost of a copy per matmul.
+    ``tokens``: rows per micro-batch (batch x sequence, :func:`inner_rows`), the inner
+    dimension of the weight gradient's matmul, which FP8 also needs in multiples of 16:
+    otherwise (or unknown) torchao pads it, at the cost of a copy per matmul.
     ``emulate`` runs the float8 matmuls in fp32 arithmetic (torchao's test mode, which runs
     on the CPU)."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
@@ -122,15 +122,23 @@ def convert(model: nn.Module, recipe: str, *, tokens: int | None = None, emulate
     return layers
 
 
+def inner_rows(batch: Any, seq_len: int) -> int | None:
+    """Rows per micro-batch (batch x sequence), the weight gradient's inner dimension, for
+    :func:`convert`. With ``batch_size=auto`` the batch is not known yet, but any batch times
+    a sequence length that is a multiple of 16 is one too, so the sequence length stands in
+    for it; otherwise the answer is unknown (None) and torchao pads."""
+    if isinstance(batch, int):
+        return batch * seq_len
+    return seq_len if seq_len % 16 == 0 else None
+
+
 def apply(cfg: Any, device: torch.device, plan: Any, stack: ExitStack) -> None:
     """Convert the plain model before any wrapper (checkpointing, DDP, FSDP, compile) sees it."""
     if cfg.precision.name != "fp8":
         return
     check(cfg, device)
-    batch = cfg.dataloader.batch_size
-    seq_len = cfg.data.seq_len or cfg.model.block_size
-    tokens = int(batch) * int(seq_len) if isinstance(batch, int) else None
-    layers = convert(plan.raw_model, cfg.precision.recipe, tokens=tokens)
+    seq_len = int(cfg.data.seq_len or cfg.model.block_size)
+    layers = convert(plan.raw_model, cfg.precision.recipe, tokens=inner_rows(cfg.dataloader.batch_size, seq_len))
     plan.notes["fp8"] = {"recipe": cfg.precision.recipe, "library": "torchao.float8.convert_to_float8_training",
                          "converted": len(layers.convert), "kept_in_bf16": layers.kept,
                          "pad_inner_dim": layers.pad_inner_dim}
