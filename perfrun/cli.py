@@ -314,14 +314,16 @@ def _run_app(args: list[str]) -> int:
     from omegaconf import DictConfig
 
     from perfrun.config import ConfigError, register_configs
-    from perfrun.guards import Interrupted
-    from perfrun.telemetry.sinks import shown_path
-    from perfrun.train import RunFailed, run
 
     register_configs()
 
     @hydra.main(version_base="1.3", config_path=config_dir(), config_name="train")
     def app(cfg: DictConfig) -> None:
+        # the trainer (and torch) is imported by a job, never by --help, --cfg or --info
+        from perfrun.guards import Interrupted
+        from perfrun.telemetry.sinks import shown_path
+        from perfrun.train import RunFailed, run
+
         hc = HydraConfig.get()
         run_dir = Path(hc.runtime.output_dir)
         overrides = list(hc.overrides.task)

@@ -33,8 +33,10 @@ def test_help_lists_the_commands(tmp_path: Path) -> None:
 
 
 def test_train_is_a_hydra_app(tmp_path: Path) -> None:
-    h = run_cli("train", "--help", cwd=tmp_path)
+    h = run_cli("train", "--help", cwd=tmp_path, env={"PYTHONPROFILEIMPORTTIME": "1"})  # -X importtime
     assert h.returncode == 0 and "precision: bf16, fp16, fp8, none" in h.stdout and "perfrun train" in h.stdout
+    imported = [line.split("|")[-1].strip() for line in h.stderr.splitlines() if line.startswith("import time:")]
+    assert "hydra" in imported and "torch" not in imported  # --help composes; the trainer is a job's import
     groups = h.stdout.split("== Configuration groups ==")[1].split("== Config ==")[0]
     assert "logger: mlflow, none, tensorboard, wandb" in groups and "sweep: ablation" in groups
     assert "ablation:" not in groups  # the presets +sweep=ablation picks are not offered
