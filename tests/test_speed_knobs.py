@@ -166,18 +166,25 @@ def test_cuda_input_resumes_exactly_and_times_the_gpus_wait(data: str, tmp_path:
 
 
 @pytest.mark.parametrize("mode", ["default", "max-autotune-no-cudagraphs", "reduce-overhead", "max-autotune"])
-def test_compile_modes_are_options_and_only_cuda_graph_modes_mark_steps(mode: str) -> None:
+def test_compile_modes_are_options_and_only_cuda_graph_modes_mark_steps(
+        mode: str, caplog: pytest.LogCaptureFixture) -> None:
     cfg = make_cfg("compile=true", f"compile_options.mode={mode}")
     validate(cfg)
     model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=32))
-    with ExitStack() as stack:
+    graph_mode = mode in compilation.CUDA_GRAPH_MODES
+    with ExitStack() as stack, caplog.at_level("WARNING", logger="perfrun"):
         plan = Plan(model=model, raw_model=model)
         compilation.apply(cfg, torch.device("cpu"), plan, stack)
         assert plan.notes["compile_options"]["mode"] == mode and plan.step_start_hooks == []  # the CPU has no graphs
-        if mode in compilation.CUDA_GRAPH_MODES:
+        assert plan.notes["compile_options"]["cuda_graphs"] is False
+        said = [r.getMessage() for r in caplog.records]
+        assert said == ([f"compile_options.mode={mode} replays CUDA graphs, which the cpu does not have: here it "
+                         f"compiles as mode={compilation.WITHOUT_GRAPHS[mode]} would"] if graph_mode else [])
+        if graph_mode:
             plan = Plan(model=model, raw_model=model)
             compilation.apply(cfg, torch.device("cuda"), plan, stack)  # torch.compile is lazy: nothing runs on CUDA
             assert plan.step_start_hooks == [compilation.next_graph_generation] and plan.step_hooks == []
+            assert plan.notes["compile_options"]["cuda_graphs"] is True
 
 
 @pytest.mark.gpu

@@ -23,6 +23,7 @@ job's end zeroes the mark counter).
 
 from __future__ import annotations
 
+import logging
 import shutil
 from contextlib import AbstractContextManager, ExitStack
 from typing import Any
@@ -31,7 +32,11 @@ import torch
 
 from perfrun.config import ConfigError
 
+log = logging.getLogger("perfrun")
+
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+#: What a CUDA-graph mode amounts to on a device without CUDA graphs.
+WITHOUT_GRAPHS = {"reduce-overhead": "default", "max-autotune": "max-autotune-no-cudagraphs"}
 
 
 def next_graph_generation(step: int) -> None:
@@ -66,8 +71,12 @@ def apply(cfg: Any, device: torch.device, plan: Any, stack: ExitStack) -> None:
         for block in plan.raw_model.blocks:
             block.forward = torch.compile(block.forward, **options)  # maybe checkpoint-wrapped already
             stack.callback(block.__dict__.pop, "forward", None)
-    if device.type == "cuda" and opts.mode in CUDA_GRAPH_MODES:
+    graphs = opts.mode in CUDA_GRAPH_MODES and device.type == "cuda"
+    if graphs:
         plan.step_start_hooks.append(next_graph_generation)
+    elif opts.mode in CUDA_GRAPH_MODES:
+        log.warning(f"compile_options.mode={opts.mode} replays CUDA graphs, which the {device.type} does not have: "
+                    f"here it compiles as mode={WITHOUT_GRAPHS[opts.mode]} would")
     stack.callback(torch.compiler.reset)
     plan.notes["compile_options"] = {"mode": opts.mode, "fullgraph": bool(opts.fullgraph), "dynamic": opts.dynamic,
-                                     "scope": scope}
+                                     "scope": scope, "cuda_graphs": graphs}
