@@ -17,7 +17,8 @@ it found it: gradients are zeroed and the step is taken at lr 0, so parameters d
 move; the optimizer state is cleared after the search; the RNG states are restored; random
 tokens come from a private generator. Trials call the uncompiled model (with activation
 checkpointing, which patches the model in place; blocks that ``compile_options.scope=blocks``
-compiled in place run eagerly here): compiling once per trial size would cost minutes, and the compiled step is not expected to need more memory than the eager one.
+compiled in place run eagerly here): compiling once per trial size would cost minutes, and
+the compiled step is not expected to need more memory than the eager one.
 
 **Memory**, by device:
 

@@ -47,11 +47,12 @@ from bench_train import plain_loop  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 
 from perfrun.config import config_dir, register_configs  # noqa: E402
+from perfrun.console import first_line  # noqa: E402
 from perfrun.devices import resolve_device  # noqa: E402
 from perfrun.inference.int8 import torchao_available  # noqa: E402
 from perfrun.knobs import fp8  # noqa: E402
 from perfrun.knobs.compilation import CUDA_GRAPH_MODES  # noqa: E402
-from perfrun.telemetry.step_metrics import median  # noqa: E402
+from perfrun.report.noise import spread  # noqa: E402
 from perfrun.train import run  # noqa: E402
 
 H100_BF16_TFLOPS = 989.5  # dense bf16, the datasheet figure nanoGPT's MFU divides by
@@ -168,7 +169,7 @@ def main() -> int:
             except Exception as e:  # noqa: BLE001 - a variant that breaks is a finding; the others go on
                 if knobs is None:
                     raise
-                failed[name] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+                failed[name] = f"{type(e).__name__}: {first_line(e)}"
                 print(f"failed {name} (repeat {r}): {failed[name]}", flush=True)
                 continue
             rows.append({"repeat": r, "variant": name, **row})
@@ -203,12 +204,11 @@ def report(rows: list[dict[str, Any]], base: Any, skipped: dict[str, str], args:
     names = list(dict.fromkeys(r["variant"] for r in rows))  # the plain loop first
     table = {}
     for name in names:
-        mine = [r["tokens_per_s"] for r in rows if r["variant"] == name]
-        first = next(r for r in rows if r["variant"] == name)
-        tps = median(mine)
-        table[name] = {"tokens_per_s": tps, "repeats": len(mine), "spread_pct": 50 * (max(mine) - min(mine)) / tps,
-                       "peak_mem_mib": first.get("peak_mem_mib"), "fp8_kept": first.get("fp8_kept"),
-                       "gpu_starved_pct": [r.get("gpu_starved_pct") for r in rows if r["variant"] == name][-1]}
+        mine = [r for r in rows if r["variant"] == name]
+        tps = spread(r["tokens_per_s"] for r in mine)
+        table[name] = {"tokens_per_s": tps.median, "repeats": tps.n, "spread_pct": tps.half_pct,
+                       "peak_mem_mib": mine[0].get("peak_mem_mib"), "fp8_kept": mine[0].get("fp8_kept"),
+                       "gpu_starved_pct": mine[-1].get("gpu_starved_pct")}
     plain = table[names[0]]["tokens_per_s"]
     device = next((r["device"] for r in rows if "device" in r), "?")
     print(f"base: {' '.join(args.overrides) or '(defaults)'}; steps {args.steps}, warm-up {args.warmup}, "
@@ -218,8 +218,8 @@ def report(rows: list[dict[str, Any]], base: Any, skipped: dict[str, str], args:
         row["ratio"] = row["tokens_per_s"] / plain
         row["mfu_bf16_equivalent"] = fpt * row["tokens_per_s"] / (H100_BF16_TFLOPS * 1e12)
         mem = row["peak_mem_mib"]
-        spread = f"±{row['spread_pct']:.1f}%" if row["repeats"] > 1 else "1 run"
-        print(f"{name:<32} {row['tokens_per_s']:>11,.0f} {spread:>7} {row['ratio']:>8.3f} "
+        half = "1 run" if row["spread_pct"] is None else f"±{row['spread_pct']:.1f}%"
+        print(f"{name:<32} {row['tokens_per_s']:>11,.0f} {half:>7} {row['ratio']:>8.3f} "
               f"{100 * row['mfu_bf16_equivalent']:>13.3f} {'n/a' if mem is None else format(mem, ',.0f'):>9}")
     for name, why in skipped.items():
         print(f"skipped {name}: {why}")

@@ -18,7 +18,8 @@
 #                  the fastest variant profiled (its top kernels)                         (~5 min)
 #   speed-knobs    the same loop against each speed knob alone (host input, loss=chunked, fp8, the three
 #                  compile modes), GPT-2 124M, 2 repeats                                  (~7 min)
-#   speed-tiny     every variant on the default model, where launch overhead dominates  (~5 min)
+#   speed-tiny     every variant on the default model (synthetic tokens of GPT-2's vocabulary), where
+#                  launch overhead dominates, 2 repeats                                   (~6 min)
 #   ladder-gpt2    +sweep=ablation, GPT-2 124M, synthetic, seq 1024, batch 16, 1 repeat   (~8 min)
 #   ladder-tiny    +sweep=ablation, the default model on pysource, 2 repeats              (~5 min)
 #                  each ladder call runs the ladder once into DIR/ladder_NAME_N and writes its
@@ -135,32 +136,30 @@ suite_generate() {
   tail -12 "$R/bench_generate.txt" >> "$DIGEST"
 }
 
-SPEED_ROWS="^(plain|host|perfrun|loss|precision|mode|all|skipped|failed)"
+# One scripts/bench_speed.py run into $R/bench_speed_NAME.{txt,json}, its table into the digest.
+bench_speed() {  # bench_speed NAME ARGS...
+  local name=$1
+  shift
+  "$PY" scripts/bench_speed.py --json "$R/bench_speed_$name.json" "$@" > "$R/bench_speed_$name.txt" 2>&1
+  echo "speed ($name) rc=$?" >> "$DIGEST"
+  grep -E "^(plain|host|perfrun|loss|precision|mode|all|skipped|failed)" "$R/bench_speed_$name.txt" >> "$DIGEST"
+}
 
 suite_speed() {
-  "$PY" scripts/bench_speed.py --steps 60 --warmup 20 --repeats 3 --variants "perfrun,all (bf16),all" \
-    --json "$R/bench_speed_gpt2.json" --profile-best "$R/profiled_best" $GPT2 compile=true \
-    > "$R/bench_speed_gpt2.txt" 2>&1
-  echo "speed (gpt2) rc=$?" >> "$DIGEST"
-  grep -E "$SPEED_ROWS" "$R/bench_speed_gpt2.txt" >> "$DIGEST"
+  bench_speed gpt2 --steps 60 --warmup 20 --repeats 3 --variants "perfrun,all (bf16),all" \
+    --profile-best "$R/profiled_best" $GPT2 compile=true
   sed -n '/^profiled: /,/^Self CUDA time total/p' "$R/bench_speed_gpt2.txt" >> "$DIGEST"
 }
 
 suite_speed_knobs() {
-  "$PY" scripts/bench_speed.py --steps 60 --warmup 20 --repeats 2 --json "$R/bench_speed_knobs.json" \
+  bench_speed knobs --steps 60 --warmup 20 --repeats 2 \
     --variants "perfrun,host input,loss=chunked,precision=fp8,mode=max-autotune-no-cudagraphs,mode=reduce-overhead,mode=max-autotune" \
-    $GPT2 compile=true > "$R/bench_speed_knobs.txt" 2>&1
-  echo "speed-knobs (gpt2) rc=$?" >> "$DIGEST"
-  grep -E "$SPEED_ROWS" "$R/bench_speed_knobs.txt" >> "$DIGEST"
+    $GPT2 compile=true
 }
 
 suite_speed_tiny() {
-  "$PY" scripts/bench_speed.py --steps 200 --warmup 50 --repeats 3 --json "$R/bench_speed_tiny.json" \
-    --variants "perfrun,host input,mode=max-autotune-no-cudagraphs,mode=reduce-overhead,mode=max-autotune,all (bf16)" \
-    model=tiny data=synthetic dataloader.batch_size=16 device=cuda precision=bf16 compile=true \
-    > "$R/bench_speed_tiny.txt" 2>&1
-  echo "speed (tiny) rc=$?" >> "$DIGEST"
-  grep -E "$SPEED_ROWS" "$R/bench_speed_tiny.txt" >> "$DIGEST"
+  bench_speed tiny --steps 200 --warmup 50 --repeats 2 \
+    model=tiny data=synthetic dataloader.batch_size=16 device=cuda precision=bf16 compile=true
 }
 
 # One run of the ladder into $R/ladder_NAME_N (N: the first free number), its Markdown report,

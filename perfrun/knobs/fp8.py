@@ -39,6 +39,7 @@ log = logging.getLogger("perfrun")
 
 RECIPES = CHOICES["precision.recipe"]
 MIN_CAPABILITY = FP8_MIN_CAPABILITY
+ALIGN = 16  # every dimension of an FP8 tensor-core matmul is a multiple of this
 
 
 def refusal(device_type: str, capability: tuple[int, int] | None, has_torchao: bool, gpu: str = "") -> str | None:
@@ -92,8 +93,8 @@ def choose_layers(model: nn.Module) -> Fp8Layers:
         if owners[id(module.weight)] > 1:
             other = owner_of.get(id(module.weight), "another module")
             layers.kept[name] = f"weight tied to {other}, which reads it as a plain matrix"
-        elif in_f % 16 or out_f % 16:
-            layers.kept[name] = f"{in_f} -> {out_f} features: FP8 matmuls need multiples of 16"
+        elif in_f % ALIGN or out_f % ALIGN:
+            layers.kept[name] = f"{in_f} -> {out_f} features: FP8 matmuls need multiples of {ALIGN}"
         else:
             layers.convert.append(name)
     return layers
@@ -114,7 +115,7 @@ def convert(model: nn.Module, recipe: str, *, tokens: int | None = None, emulate
         reasons = sorted(set(layers.kept.values())) or ["the model has no Linear layer"]
         raise ConfigError(f"precision=fp8: no Linear layer can run in FP8 ({reasons[0]}); "
                           "use precision=bf16, or model.n_embd a multiple of 16")
-    layers.pad_inner_dim = tokens is None or tokens % 16 != 0
+    layers.pad_inner_dim = tokens is None or tokens % ALIGN != 0
     config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulate,
                                  pad_inner_dim=layers.pad_inner_dim)
     wanted = set(layers.convert)
@@ -129,7 +130,7 @@ def inner_rows(batch: Any, seq_len: int) -> int | None:
     for it; otherwise the answer is unknown (None) and torchao pads."""
     if isinstance(batch, int):
         return batch * seq_len
-    return seq_len if seq_len % 16 == 0 else None
+    return seq_len if seq_len % ALIGN == 0 else None
 
 
 def apply(cfg: Any, device: torch.device, plan: Any, stack: ExitStack) -> None:
