@@ -1,3 +1,7 @@
+"""``python -m perfrun`` and the ``perfrun`` console script: one entry, wherever the
+dispatcher lives."""
+
 from perfrun.cli import main
 
-raise SystemExit(main())
+if __name__ == "__main__":
+    raise SystemExit(main())
