@@ -15,7 +15,7 @@ from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
-from perfrun import resolvers
+from perfrun import device_conditions as resolvers
 
 
 class ConfigError(ValueError):
@@ -32,12 +32,12 @@ class PrecisionConfig:
     recipe: str = "tensorwise"  # fp8: tensorwise | rowwise scales (perfrun/knobs/fp8.py)
 
 
-LOSSES = ("standard", "chunked")  # the loss group's options (perfrun/losses.py)
+LOSSES = ("standard", "chunked")  # the loss group's options (perfrun/models/losses.py)
 
 
 @dataclass
 class LossConfig:
-    """The ``loss`` group: ``standard`` (all logits at once) or ``chunked`` (perfrun/losses.py)."""
+    """The ``loss`` group: ``standard`` (all logits at once) or ``chunked`` (perfrun/models/losses.py)."""
 
     name: str = "standard"  # standard | chunked
     # chunked: rows (tokens) per chunk; one chunk's fp32 logits take chunk_size x vocab x 4 bytes
@@ -55,7 +55,7 @@ class ActivationCheckpointingConfig:
 
 @dataclass
 class DataLoaderConfig:
-    # An int >= 1, or "auto": the largest batch that fits (perfrun/batch_size.py). OmegaConf
+    # An int >= 1, or "auto": the largest batch that fits (perfrun/loop/auto_batch.py). OmegaConf
     # has no Union type, hence Any; validate() checks it.
     batch_size: Any = 8
     max_batch_size: int | None = None  # auto: never choose more than this
@@ -64,7 +64,7 @@ class DataLoaderConfig:
     num_workers: int = 0
     pin_memory: bool = True  # only takes effect on CUDA
     # CUDA: host batches copied one step ahead on a side stream, data=synthetic drawn on the
-    # device (perfrun/step.py: BatchStream); false: each batch copied when the step takes it
+    # device (perfrun/loop/step.py: BatchStream); false: each batch copied when the step takes it
     device_input: bool = True
     persistent_workers: bool = False
     prefetch_factor: int | None = None  # torch's default (2) when workers > 0
@@ -84,7 +84,7 @@ class ModelConfig:
     block_size: int = 256
     dropout: float = 0.0
     bias: bool = True
-    init_from: str | None = None  # a Hugging Face GPT-2 folder whose weights start the run (perfrun/pretrained.py)
+    init_from: str | None = None  # a Hugging Face GPT-2 folder whose weights start the run (perfrun/models/pretrained.py)
 
 
 @dataclass
@@ -95,7 +95,7 @@ class DataConfig:
     vocab_size: int | None = None  # memmap and synthetic; byte-level data is 256
     val_fraction: float = 0.1
     cache_dir: str | None = None  # None: $PERFRUN_CACHE or ~/.cache/perfrun
-    tokenizer: str | None = None  # byte | tiktoken:gpt2 | a tokenizer.json (perfrun/tokenizers.py); memmap: from meta.json
+    tokenizer: str | None = None  # byte | tiktoken:gpt2 | a tokenizer.json (perfrun/data/tokenizers.py); memmap: from meta.json
 
 
 @dataclass

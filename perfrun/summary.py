@@ -12,7 +12,7 @@ from typing import Any, Literal, TypedDict
 
 SUMMARY_FILE = "summary.json"
 
-# skipped: a ladder rung whose knob cannot act on this device (perfrun/train.py: _skip_rung)
+# skipped: a ladder rung whose knob cannot act on this device (perfrun/loop/run.py: _skip_rung)
 Status = Literal["running", "completed", "interrupted", "failed", "skipped"]
 
 

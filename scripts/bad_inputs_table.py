@@ -18,8 +18,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
-from perfrun import checkpoint_files as checkpoint  # noqa: E402
-from perfrun.cli import main as cli_main  # noqa: E402
+from perfrun.checkpoint import files as checkpoint  # noqa: E402
+from perfrun.commands.dispatch import main as cli_main  # noqa: E402
 
 from bad_input_cases import CASES, SMALL, make_fixtures  # noqa: E402
 

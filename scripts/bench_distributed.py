@@ -41,7 +41,7 @@ from perfrun.config import (
     config_dir,  # noqa: E402
     register_configs,  # noqa: E402
 )
-from perfrun.train import run  # noqa: E402
+from perfrun.loop.run import run  # noqa: E402
 
 # sequences per step at seq 1024 with bf16 autocast: gpt2 at 16 peaked at 18 GB eager on an H100;
 # activations grow with layers x width, so gpt2-xl (48 x 1600, 25 GB of weights and AdamW state) takes 8

@@ -33,13 +33,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hydra import compose, initialize_config_dir  # noqa: E402
 
-from perfrun import checkpoint_files as checkpoint  # noqa: E402
+from perfrun.checkpoint import files as checkpoint  # noqa: E402
 from perfrun.config import config_dir, register_configs  # noqa: E402
 from perfrun.devices import resolve_device  # noqa: E402
 from perfrun.inference.generation import Generator  # noqa: E402
 from perfrun.inference.loading import Loaded, load_model  # noqa: E402
 from perfrun.inference.sampling import Sampler  # noqa: E402
-from perfrun.train import run  # noqa: E402
+from perfrun.loop.run import run  # noqa: E402
 
 PATHS = {"off": (False, False), "cache": (True, False), "compile": (True, True)}
 CPU_MODEL = ["model=tiny", "model.block_size=1024", "data.vocab_size=256"]

@@ -26,8 +26,8 @@ from perfrun.config import (
     config_dir,  # noqa: E402
     register_configs,  # noqa: E402
 )
+from perfrun.loop.run import run  # noqa: E402
 from perfrun.telemetry.step_metrics import median  # noqa: E402
-from perfrun.train import run  # noqa: E402
 
 
 def main() -> int:

@@ -34,9 +34,9 @@ from omegaconf import OmegaConf  # noqa: E402
 from rich.console import Console  # noqa: E402
 
 from perfrun.data.pysource import pysource_files, stdlib_dir  # noqa: E402
+from perfrun.data.tokenizers import load_tokenizer, train_bpe  # noqa: E402
 from perfrun.prepare.build import prepare  # noqa: E402
 from perfrun.prepare.schema import PrepareConfig  # noqa: E402
-from perfrun.tokenizers import load_tokenizer, train_bpe  # noqa: E402
 
 
 def link_corpus(folder: Path) -> tuple[int, int]:

@@ -52,8 +52,8 @@ from perfrun.devices import resolve_device  # noqa: E402
 from perfrun.inference.int8 import torchao_available  # noqa: E402
 from perfrun.knobs import fp8  # noqa: E402
 from perfrun.knobs.compilation import CUDA_GRAPH_MODES  # noqa: E402
+from perfrun.loop.run import run  # noqa: E402
 from perfrun.report.noise import spread  # noqa: E402
-from perfrun.train import run  # noqa: E402
 
 H100_BF16_TFLOPS = 989.5  # dense bf16, the datasheet figure nanoGPT's MFU divides by
 COMPILE_MODES = ("max-autotune-no-cudagraphs", "reduce-overhead", "max-autotune")

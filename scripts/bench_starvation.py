@@ -5,7 +5,7 @@
                                        [--out DIR] [--json FILE] [hydra overrides ...]
 
 The overrides set the base (e.g. ``model=gpt2 dataloader.batch_size=16 device=cuda
-precision=bf16 compile=true``). Cases, each one ``perfrun.train.run`` with the base:
+precision=bf16 compile=true``). Cases, each one ``perfrun.loop.run.run`` with the base:
 
   synthetic         data=synthetic: on CUDA the tokens are drawn on the device; the figure is
                     the time the GPU spent drawing them between steps (about 0)
@@ -40,10 +40,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_speed import compose_cfg  # noqa: E402
 
-from perfrun.atomic import write_json  # noqa: E402
+from perfrun.checkpoint.atomic import write_json  # noqa: E402
 from perfrun.console import error  # noqa: E402
 from perfrun.data.windows import Windows  # noqa: E402
-from perfrun.train import run  # noqa: E402
+from perfrun.loop.run import run  # noqa: E402
 
 WORKERS = "dataloader.num_workers={n} dataloader.persistent_workers={p} dataloader.pin_memory=true"
 

@@ -3,7 +3,7 @@
 
     python scripts/bench_train.py [--steps N] [--repeats R] [--no-baseline] [hydra overrides ...]
 
-Runs perfrun (``perfrun.train.run``, telemetry and sinks included, progress off) and a
+Runs perfrun (``perfrun.loop.run.run``, telemetry and sinks included, progress off) and a
 plain loop written directly against torch (same model init, same DataLoader order, same
 fused AdamW, same autocast dtype and torch.compile choice, nothing else), alternating
 the two R times so that drift on a shared machine hits both alike. Both report the mean
@@ -38,10 +38,10 @@ from perfrun.data import build_datasets, build_loader  # noqa: E402
 from perfrun.devices import resolve_device  # noqa: E402
 from perfrun.distributed import seed_everything  # noqa: E402
 from perfrun.knobs.precision import DTYPES  # noqa: E402
-from perfrun.model import GPT, GPTConfig, padded_vocab  # noqa: E402
-from perfrun.optim import build_optimizer, build_scheduler  # noqa: E402
+from perfrun.loop.optimizer import build_optimizer, build_scheduler  # noqa: E402
+from perfrun.loop.run import run  # noqa: E402
+from perfrun.models.gpt import GPT, GPTConfig, padded_vocab  # noqa: E402
 from perfrun.telemetry.step_metrics import median  # noqa: E402
-from perfrun.train import run  # noqa: E402
 
 
 def plain_loop(cfg: Any, warmup: int) -> dict[str, float]:

@@ -22,7 +22,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from perfrun.atomic import write_json  # noqa: E402
+from perfrun.checkpoint.atomic import write_json  # noqa: E402
 from perfrun.console import error, first_line  # noqa: E402
 from perfrun.report.sweep_summary import SWEEP_JSON  # noqa: E402
 

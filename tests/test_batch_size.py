@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from perfrun.batch_size import LiveTensorMemory, NoBatchFits, search
 from perfrun.config import ConfigError, validate
-from perfrun.train import run
+from perfrun.loop.auto_batch import LiveTensorMemory, NoBatchFits, search
+from perfrun.loop.run import run
 
 from conftest import make_cfg
 

@@ -457,7 +457,7 @@ def test_a_token_beyond_the_vocabulary_late_in_the_file_is_refused_before_step_1
 ) -> None:
     """The id 300 sits 2^24 + 5 tokens into a 32 MiB file (past any bounded prefix):
     ``perfrun train`` refuses it with one line, before the first step."""
-    from perfrun.cli import main as cli_main
+    from perfrun.commands.dispatch import main as cli_main
 
     tokens = np.zeros((1 << 24) + 10, dtype=np.uint16)
     tokens[(1 << 24) + 5] = 300
@@ -527,7 +527,7 @@ def test_a_prepared_folder_gives_its_vocabulary_and_tokenizer(tmp_path: Path) ->
 def test_text_with_a_tokenizer_gives_whole_windows_of_the_text(tmp_path: Path) -> None:
     import sysconfig
 
-    from perfrun.tokenizers import load_tokenizer, train_bpe
+    from perfrun.data.tokenizers import load_tokenizer, train_bpe
 
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     root = tmp_path / "corpus"

@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from perfrun.device_prefetch import DevicePrefetcher
-from perfrun.device_synthetic import DeviceSyntheticStream, batch_seed
-from perfrun.handoff_timer import HandOffTimer
+from perfrun.data.device_prefetch import DevicePrefetcher
+from perfrun.data.device_synthetic import DeviceSyntheticStream, batch_seed
+from perfrun.data.handoff_timer import HandOffTimer
 
 CPU = torch.device("cpu")
 

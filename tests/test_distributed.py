@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from perfrun.data import ResumableSampler
+from perfrun.loop.run import run
 from perfrun.telemetry.sinks import gpu_parts
-from perfrun.train import run
 
 from conftest import REPO, TINY_MODEL, losses, make_cfg, run_cli, torchrun
 
@@ -138,7 +138,7 @@ def test_a_checkpoint_from_before_ranks_were_recorded_infers_them(ddp_run: Path,
     data position says how many ranks there were, so the global batch is checked right."""
     import torch
 
-    from perfrun import checkpoint_files
+    from perfrun.checkpoint import files as checkpoint_files
 
     (run_dir,) = [p.parent for p in ddp_run.glob("outputs/*/*/summary.json")]
     old = checkpoint_files.load(run_dir / "checkpoints" / "step_0000003.pt")
@@ -168,9 +168,9 @@ def test_bad_distributed_input_gets_one_line(args: list[str], says: str, tmp_pat
 
 LAUNCHER_ONLY = """
 import sys
-import perfrun.launch as launch
+import perfrun.commands.launch as launch
 launch.run_torchrun = lambda nproc, args: print("torchrun", nproc, *args) or 0
-from perfrun.cli import main
+from perfrun.commands.dispatch import main
 code = main(["train", "distributed=ddp", "nproc=2", "device=cpu", "resume=auto", "hydra.run.dir=" + sys.argv[1]])
 print("exit", code, "torch imported:", "torch" in sys.modules)
 """

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from perfrun import checkpoint_files as checkpoint
-from perfrun.cli import main as cli_main
+from perfrun.checkpoint import files as checkpoint
+from perfrun.commands.dispatch import main as cli_main
 from perfrun.inference import hf_layout, onnx_export
 from perfrun.inference.loading import load_model
-from perfrun.model import GPT
-from perfrun.train import run
+from perfrun.loop.run import run
+from perfrun.models.gpt import GPT
 
 from conftest import REPO, make_cfg
 
@@ -138,7 +138,7 @@ def test_missing_checkpoint_is_one_line(tmp_path: Path, capsys: pytest.CaptureFi
 
 def test_int8_report_from_export_and_from_python_m_perfrun_quantize(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("torchao")
-    from perfrun import quantize
+    from perfrun.commands import quantize
 
     assert quantize.main([f"checkpoint={ckpt}", "val_batches=1", "batch_size=2", "gen_tokens=4", "json=true"]) == 0
     old = json.loads(capsys.readouterr().out)

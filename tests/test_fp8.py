@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 from perfrun.config import ConfigError
 from perfrun.knobs import Plan
 from perfrun.knobs.fp8 import RECIPES, apply, check, choose_layers, convert, inner_rows, refusal
-from perfrun.model import GPT, GPTConfig
+from perfrun.models.gpt import GPT, GPTConfig
 
 pytest.importorskip("torchao")
 from torchao.float8.float8_linear import Float8Linear  # noqa: E402

@@ -27,12 +27,13 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from perfrun import checkpoint_files, distributed
+from perfrun import distributed
+from perfrun.checkpoint import files as checkpoint_files
 from perfrun.config import ConfigError
 from perfrun.inference.loading import load_model
 from perfrun.knobs import Plan, apply_knobs
-from perfrun.model import GPT, GPTConfig
-from perfrun.train import run
+from perfrun.loop.run import run
+from perfrun.models.gpt import GPT, GPTConfig
 
 from conftest import REPO, TINY_MODEL, losses, make_cfg, run_cli, torchrun
 
@@ -123,7 +124,7 @@ def test_unreadable_shards_are_one_line(fsdp_dir: Path, tmp_path: Path) -> None:
 
 
 def test_a_failed_sharded_save_is_one_line_and_keeps_nothing_half_done(tmp_path: Path) -> None:
-    from perfrun.model import GPT, GPTConfig
+    from perfrun.models.gpt import GPT, GPTConfig
 
     model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=1, n_embd=8, dropout=0.0, bias=True,
                           attention="sdpa"))
@@ -257,7 +258,7 @@ def test_saving_a_step_again_replaces_it_only_once_the_new_one_is_whole(tmp_path
     """One process, no process group (DCP then writes alone): the second save of step 5
     is written beside the first and takes its name only when complete."""
     POSITION = {"step": 5, "data": {"epoch": 0, "consumed": 0}}  # noqa: N806 - what every real checkpoint records
-    from perfrun.model import GPT, GPTConfig
+    from perfrun.models.gpt import GPT, GPTConfig
 
     model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=1, n_embd=8, dropout=0.0, bias=True,
                           attention="sdpa"))

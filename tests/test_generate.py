@@ -11,15 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from perfrun import checkpoint_files as checkpoint
-from perfrun.cli import main as cli_main
-from perfrun.generate import Streamer
+from perfrun.checkpoint import files as checkpoint
+from perfrun.commands.dispatch import main as cli_main
+from perfrun.commands.generate import Streamer
+from perfrun.data.tokenizers import load_tokenizer
 from perfrun.inference.generation import Generator, generate
 from perfrun.inference.loading import load_model
 from perfrun.inference.sampling import Sampler
-from perfrun.model import GPT, GPTConfig, KVCache
-from perfrun.tokenizers import load_tokenizer
-from perfrun.train import run
+from perfrun.loop.run import run
+from perfrun.models.gpt import GPT, GPTConfig, KVCache
 
 from conftest import REPO, make_cfg
 
@@ -361,9 +361,9 @@ def test_compile_from_the_cli_reports_its_time_apart_and_gives_the_same_text(sha
 
 
 def test_help_lists_every_key_with_its_help(capsys: pytest.CaptureFixture[str]) -> None:
-    from perfrun.export import ExportConfig
-    from perfrun.generate import GenerateConfig
-    from perfrun.hydra_command import schema_fields
+    from perfrun.commands.export import ExportConfig
+    from perfrun.commands.generate import GenerateConfig
+    from perfrun.commands.hydra_app import schema_fields
 
     for name, schema in (("generate", GenerateConfig), ("export", ExportConfig)):
         assert cli_main([name, "--help"]) == 0

@@ -15,6 +15,7 @@ import pytest
 import torch
 from rich.console import Console
 
+from perfrun.commands.gpu_check import main
 from perfrun.gpucheck import gather as gathering
 from perfrun.gpucheck.checks import (
     capability_checks,
@@ -24,7 +25,6 @@ from perfrun.gpucheck.checks import (
     measurement_checks,
     software_checks,
 )
-from perfrun.gpucheck.command import main
 from perfrun.gpucheck.facts import nvml_gpu_facts, pynvml_provenance
 from perfrun.gpucheck.gpu_checks import gpu_checks
 from perfrun.gpucheck.render import render

@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from perfrun.cli import main as cli_main
+from perfrun.commands.dispatch import main as cli_main
 from perfrun.config import ConfigError, DataLoaderConfig, ModelConfig
 from perfrun.data import build_datasets, build_loader
 from perfrun.inference.hf_layout import hf_config, hf_state_dict
-from perfrun.model import GPT, GPTConfig
-from perfrun.pretrained import init_from
-from perfrun.train import run
+from perfrun.loop.run import run
+from perfrun.models.gpt import GPT, GPTConfig
+from perfrun.models.pretrained import init_from
 
 from conftest import losses, make_cfg
 

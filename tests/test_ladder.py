@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from perfrun import report
-from perfrun.handoff_timer import HandOffTimer
+from perfrun.data.handoff_timer import HandOffTimer
 from perfrun.report.noise import effect, spread
 from perfrun.telemetry import contention
 
@@ -40,7 +40,7 @@ CONFIG = {  # what each rung's configuration holds (the line to paste is its dif
 
 def plant(job: Path, rung: str, repeat: int, tps: float, *, loss_scale: float = 1.0, mem: float = 100.0,
           contended: bool = False, device: str = "cpu", status: str = "completed", auto_batch: int | None = None) -> None:
-    """A job dir of a ladder sweep as perfrun.train.run leaves it."""
+    """A job dir of a ladder sweep as perfrun.loop.run.run leaves it."""
     job.mkdir(parents=True)
     kind, step, knob, acts_on = META[rung]
     config = {**CONFIG.get(rung, CONFIG["compile"]), "repeat": repeat,
@@ -247,7 +247,7 @@ def test_gpu_starvation_from_a_hand_built_timeline() -> None:
 
 
 def test_loss_parity_calibrated_by_seeds_flags_a_10x_learning_rate_not_bf16(tmp_path: Path, one_thread: None) -> None:
-    from perfrun.train import run
+    from perfrun.loop.run import run
 
     from conftest import make_cfg
 
@@ -266,8 +266,8 @@ def test_loss_parity_calibrated_by_seeds_flags_a_10x_learning_rate_not_bf16(tmp_
 def test_a_rung_that_cannot_act_here_is_skipped_and_shown_not_applicable(tmp_path: Path) -> None:
     """FP8 on a CPU: the job trains nothing, says why in its summary, does not fail the
     sweep, and the ladder shows the rung as not applicable, never as a measurement."""
-    from perfrun.sweep import failed_jobs
-    from perfrun.train import run
+    from perfrun.loop.run import run
+    from perfrun.report.sweep_callback import failed_jobs
 
     from conftest import make_cfg
 
@@ -286,7 +286,7 @@ def test_a_rung_that_cannot_act_here_is_skipped_and_shown_not_applicable(tmp_pat
 
 
 def test_where_a_rung_acts_is_decided_per_device() -> None:
-    from perfrun.resolvers import device_kind, if_fp8, rung_applies
+    from perfrun.device_conditions import device_kind, if_fp8, rung_applies
 
     assert rung_applies("any", "cpu") and not rung_applies("cuda", "cpu") and not rung_applies("fp8", "cpu")
     assert rung_applies("cuda", "cuda:1")  # the device named, whatever this machine has

@@ -14,12 +14,12 @@ from typing import Any
 
 import pytest
 
-from perfrun.cli import main as cli_main
-from perfrun.cli import train_main
+from perfrun.commands.dispatch import main as cli_main
+from perfrun.commands.dispatch import train_main
 from perfrun.config import ConfigError
+from perfrun.loop.run import run
 from perfrun.telemetry.loggers import Sinks, build_sinks, wandb_mode
 from perfrun.telemetry.sinks import JsonlSink
-from perfrun.train import run
 
 from conftest import TINY, make_cfg
 

@@ -14,14 +14,14 @@ import torch.nn as nn
 from omegaconf import OmegaConf
 from torch.profiler import ProfilerActivity, profile
 
-from perfrun.losses import (
+from perfrun.models.gpt import GPT, GPTConfig
+from perfrun.models.losses import (
     LOSSES,
     LossConfig,
     build,
     chunked_linear_cross_entropy,
     standard_linear_cross_entropy,
 )
-from perfrun.model import GPT, GPTConfig
 
 REPO = Path(__file__).resolve().parent.parent
 B, T, C, V = 3, 20, 16, 96  # 60 rows

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from perfrun import checkpoint_files
-from perfrun.cli import main as cli_main
+from perfrun.checkpoint import files as checkpoint_files
+from perfrun.commands.dispatch import main as cli_main
 from perfrun.report.metrics_file import train_records
 
 from conftest import REPO, start_train, wait_for
@@ -186,7 +186,7 @@ def test_resume_auto_with_two_ranks_continues_the_run_in_its_run_dir(
 
 # -- 4. one run per run dir ---------------------------------------------------------------------
 
-HOLD = ("import sys, time; from pathlib import Path; from perfrun.run_lock import locked\n"
+HOLD = ("import sys, time; from pathlib import Path; from perfrun.checkpoint.run_lock import locked\n"
         "with locked(Path(sys.argv[1]), 'hydra.run.dir'):\n    print('held', flush=True); time.sleep(600)\n")
 
 
@@ -264,7 +264,7 @@ def test_an_export_onto_a_full_disk_is_one_line(tmp_path: Path, small_disk: Path
 
 def test_an_unexpected_error_ends_the_run_failed_with_its_reason(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                  capfd: pytest.CaptureFixture) -> None:
-    from perfrun.evaluator import Evaluator
+    from perfrun.loop.evaluation import Evaluator
 
     def broken(self):
         raise ValueError("an evaluation that breaks")
@@ -283,7 +283,7 @@ def test_an_unexpected_error_ends_the_run_failed_with_its_reason(tmp_path: Path,
 
 def test_a_sweep_whose_job_dies_still_writes_its_summary(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                          capfd: pytest.CaptureFixture) -> None:
-    import perfrun.train as train_module
+    import perfrun.loop.run as train_module
 
     real = train_module.train_loop
 

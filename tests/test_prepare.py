@@ -16,11 +16,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from perfrun.cli import main as cli_main
+from perfrun.commands.dispatch import main as cli_main
 from perfrun.config import ConfigError, DataConfig
 from perfrun.data import build_datasets
+from perfrun.data.tokenizers import load_tokenizer, train_bpe
 from perfrun.prepare.corpus import PIECE_BYTES, is_val
-from perfrun.tokenizers import load_tokenizer, train_bpe
 
 from conftest import REPO
 

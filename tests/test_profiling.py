@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from perfrun.loop.run import run
 from perfrun.telemetry import step_metrics
 from perfrun.telemetry.step_metrics import PHASES
-from perfrun.train import run
 
 from conftest import make_cfg
 

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from perfrun import checkpoint_files
-from perfrun.cli import main as cli_main
+from perfrun.checkpoint import files as checkpoint_files
+from perfrun.commands.dispatch import main as cli_main
 from perfrun.config import ConfigError
-from perfrun.model import GPT
-from perfrun.train import RunFailed, run
+from perfrun.loop.run import RunFailed, run
+from perfrun.models.gpt import GPT
 
 from bad_input_cases import CASES, SMALL, make_fixtures
 from conftest import TINY_MODEL, make_cfg, start_train, wait_for

@@ -18,11 +18,12 @@ import pytest
 from test_ladder import plant_ladder
 
 from perfrun import report
-from perfrun.cli import train_main
+from perfrun.commands.dispatch import train_main
+from perfrun.commands.report import main as report_main
+from perfrun.commands.tune import kept_logging
 from perfrun.report.columns import LADDER_COLUMNS, run_columns, shown
 from perfrun.report.render import sections
-from perfrun.sweep import SweepSummary
-from perfrun.tune import kept_logging
+from perfrun.report.sweep_callback import SweepSummary
 
 from conftest import TINY_MODEL
 
@@ -32,7 +33,7 @@ def make_job(
     mem: float | None = 100.0, losses: dict[int, float] | None = None, first_step: float = 0.5,
     knobs: dict | None = None, reason: str | None = None,
 ) -> dict:
-    """A job dir as perfrun.train.run leaves it: summary.json and metrics.jsonl."""
+    """A job dir as perfrun.loop.run.run leaves it: summary.json and metrics.jsonl."""
     job.mkdir(parents=True, exist_ok=True)
     losses = losses or {10: 3.0, 20: 2.5, 30: 2.2, 40: 2.0, 50: 1.9}
     s = {
@@ -122,7 +123,7 @@ def test_several_dirs_compare(tmp_path: Path) -> None:
     (lambda p: p, "holds no summary.json"),
 ])
 def test_bad_path_is_one_line_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str], make, words: str) -> None:
-    assert report.main([str(make(tmp_path))]) == 2
+    assert report_main([str(make(tmp_path))]) == 2
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("perfrun: error: report:") and words in lines[0]
@@ -130,17 +131,17 @@ def test_bad_path_is_one_line_exit_2(tmp_path: Path, capsys: pytest.CaptureFixtu
 
 def test_bad_option_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     make_sweep(tmp_path)
-    assert report.main([str(tmp_path), "--csv", "--json"]) == 2
-    assert report.main([str(tmp_path), "--loss-tol", "-1"]) == 2
+    assert report_main([str(tmp_path), "--csv", "--json"]) == 2
+    assert report_main([str(tmp_path), "--loss-tol", "-1"]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(err) == 2 and all(line.startswith("perfrun: error: report:") for line in err)
 
 
 def test_csv_json_html_and_plot_outputs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     make_sweep(tmp_path / "s")
-    assert report.main([str(tmp_path / "s"), "--csv"]) == 0
+    assert report_main([str(tmp_path / "s"), "--csv"]) == 0
     assert capsys.readouterr().out == report.to_csv(report.load([tmp_path / "s"]))
-    assert report.main([str(tmp_path / "s"), "--json", "--html", str(tmp_path / "r.html"),
+    assert report_main([str(tmp_path / "s"), "--json", "--html", str(tmp_path / "r.html"),
                         "--plot", str(tmp_path / "r.png")]) == 0
     assert json.loads(capsys.readouterr().out)["best"] == "1"
     page = (tmp_path / "r.html").read_text()

@@ -17,10 +17,10 @@ from perfrun.config import validate
 from perfrun.data import ResumableSampler, build_loader
 from perfrun.data.synthetic import SyntheticTokens
 from perfrun.knobs import Plan, compilation
-from perfrun.losses import build
-from perfrun.model import GPT, GPTConfig
-from perfrun.step import BatchStream
-from perfrun.train import run
+from perfrun.loop.run import run
+from perfrun.loop.step import BatchStream
+from perfrun.models.gpt import GPT, GPTConfig
+from perfrun.models.losses import build
 
 from conftest import TINY_MODEL, losses, make_cfg, run_cli
 
@@ -222,7 +222,7 @@ def test_a_new_cuda_graph_generation_starts_before_each_steps_first_micro_batch(
     """With CUDA graphs the generation must turn before a step's micro-batches, never between
     them: the gradients the first micro-batch left must live until the optimizer reads them.
     The real loop runs with the hook compilation installs on CUDA, its marks recorded."""
-    import perfrun.train as train_module
+    import perfrun.loop.run as train_module
 
     events: list[str] = []
     monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: events.append("generation"))

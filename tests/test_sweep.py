@@ -18,10 +18,11 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from perfrun import report
-from perfrun.cli import train_main
+from perfrun.commands.dispatch import train_main
+from perfrun.commands.report import main as report_main
+from perfrun.commands.tune import kept_logging
 from perfrun.config import config_dir, register_configs
-from perfrun.sweep import failed_jobs
-from perfrun.tune import kept_logging
+from perfrun.report.sweep_callback import failed_jobs
 
 from conftest import REPO, TINY_MODEL, run_cli
 
@@ -58,9 +59,9 @@ def test_sweep_with_a_bad_value_goes_on_and_report_reproduces_it(
     assert jobs[1]["global_state_at_start"] == jobs[0]["global_state_at_start"] == jobs[1]["global_state_after"]
 
     # perfrun report reproduces the callback's files and table exactly
-    assert report.main([str(sweep), "--csv"]) == 0
+    assert report_main([str(sweep), "--csv"]) == 0
     assert capsys.readouterr().out == (sweep / report.SWEEP_CSV).read_text()
-    assert report.main([str(sweep), "--json"]) == 0
+    assert report_main([str(sweep), "--json"]) == 0
     assert capsys.readouterr().out == (sweep / report.SWEEP_JSON).read_text()
     table = report.render_text(report.load([sweep]), width=200)  # run_cli sets COLUMNS=200
     assert table.strip() and table in r.stdout
@@ -115,7 +116,7 @@ def test_out_of_memory_job_does_not_stop_the_sweep_nor_leak(
 ) -> None:
     """Out of memory, simulated on the CPU: batch 4's forward raises torch.OutOfMemoryError.
     The jobs before and after it, in the same process, must be identical."""
-    from perfrun.model import GPT
+    from perfrun.models.gpt import GPT
 
     real_forward = GPT.forward
 

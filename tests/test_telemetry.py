@@ -565,7 +565,7 @@ def test_cache_write_is_atomic(tmp_path, monkeypatch):
     def disk_full(fd):  # the bytes were written, the flush to disk fails
         raise OSError("disk full")
 
-    monkeypatch.setattr("perfrun.atomic.os.fsync", disk_full)
+    monkeypatch.setattr("perfrun.checkpoint.atomic.os.fsync", disk_full)
     with pytest.raises(OSError, match="disk full"):
         peaks.store_measured("dev", "bf16", result)
     assert (tmp_path / "peaks.json").read_text() == good

@@ -1,4 +1,4 @@
-"""perfrun.tokenizers: byte, a Hugging Face tokenizer.json trained here on a few KB, and
+"""perfrun.data.tokenizers: byte, a Hugging Face tokenizer.json trained here on a few KB, and
 tiktoken:gpt2 from tiktoken's cache only; each bad spec is one line."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from perfrun.config import ConfigError
-from perfrun.tokenizers import ByteTokenizer, load_tokenizer, tiktoken_cache_dir, train_bpe
+from perfrun.data.tokenizers import ByteTokenizer, load_tokenizer, tiktoken_cache_dir, train_bpe
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 

@@ -14,8 +14,8 @@ import torch
 from perfrun.config import ConfigError
 from perfrun.environment import global_state
 from perfrun.knobs import Plan
-from perfrun.model import GPT, GPTConfig
-from perfrun.train import run
+from perfrun.loop.run import run
+from perfrun.models.gpt import GPT, GPTConfig
 
 from conftest import make_cfg
 

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from perfrun import report, tune
-from perfrun.tune import Candidate, Space, TrialResult, search
-from perfrun.tune_config import FLAGS, TuneConfig, flags_to_overrides
+from perfrun import report
+from perfrun.commands import tune
+from perfrun.commands.tune import Candidate, Space, TrialResult, search
+from perfrun.tune.config import FLAGS, TuneConfig, flags_to_overrides
 
 from conftest import TINY_MODEL
 
@@ -142,14 +143,14 @@ def test_a_real_quick_tune_on_the_cpu(capsys: pytest.CaptureFixture[str], tmp_pa
 def test_a_crashing_trial_is_recorded_and_the_search_goes_on(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import perfrun.train
+    import perfrun.loop.run
 
     def fake_run(cfg, run_dir, *, overrides=None):  # noqa: ANN001, ANN202
         if cfg.compile:
             raise RuntimeError("inductor exploded\nsecond line of a long traceback")
         return {"tokens_per_s_median": 10.0 * cfg.dataloader.batch_size, "peak_mem_mib": 1.0}
 
-    monkeypatch.setattr(perfrun.train, "run", fake_run)
+    monkeypatch.setattr(perfrun.loop.run, "run", fake_run)
     rc = tune.main(["--batch-sizes", "2,4", "--checkpointing", "none", "--workers", "0", "--out", str(tmp_path),
                     "device=cpu"])
     out = capsys.readouterr().out
@@ -227,7 +228,7 @@ def test_a_tune_keeps_its_checkpoints_when_asked(capsys: pytest.CaptureFixture[s
 
 
 def test_no_winner_inside_the_noise_fewer_knobs_win_and_contended_trials_lose() -> None:
-    from perfrun.tune_search import winner
+    from perfrun.tune.search import winner
 
     def trial(c: Candidate, tps: float, contended: bool = False) -> TrialResult:
         return TrialResult(c, "completed", tokens_per_s=tps, contended=contended)

@@ -29,11 +29,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from perfrun import safe_checkpoint
-from perfrun.cli import main as cli_main
+from perfrun.checkpoint import safe_loading as safe_checkpoint
+from perfrun.commands.dispatch import main as cli_main
+from perfrun.commands.generate import load_model
 from perfrun.config import ConfigError
-from perfrun.generate import load_model
-from perfrun.train import run
+from perfrun.loop.run import run
 
 from conftest import TINY_MODEL, make_cfg
 

@@ -33,11 +33,11 @@ if TYPE_CHECKING:
     from perfrun.data.sources import build_datasets
     from perfrun.data.synthetic import SyntheticTokens
     from perfrun.data.text import TextBytes, TextTokens
+    from perfrun.data.tokenizers import BYTE_VOCAB
     from perfrun.data.windows import DEFAULT_VOCAB, DataBundle
-    from perfrun.tokenizers import BYTE_VOCAB
 
 HOMES = {
-    "BYTE_VOCAB": "perfrun.tokenizers",
+    "BYTE_VOCAB": "perfrun.data.tokenizers",
     "DEFAULT_VOCAB": "perfrun.data.windows",
     "DataBundle": "perfrun.data.windows",
     "build_datasets": "perfrun.data.sources",

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from perfrun.atomic import atomic_write
+from perfrun.checkpoint.atomic import atomic_write
 
 STALE_TEMP_S = 3600  # a temporary file this old is litter from a process killed mid-write
 

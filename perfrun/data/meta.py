@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from perfrun.atomic import atomic_write
+from perfrun.checkpoint.atomic import atomic_write
 from perfrun.config import ConfigError
 
 META_NAME = "meta.json"

@@ -14,12 +14,12 @@ from typing import Any
 
 import numpy as np
 
-from perfrun.atomic import atomic_write
+from perfrun.checkpoint.atomic import atomic_write
 from perfrun.config import ConfigError
 from perfrun.data.cache import cache_root, remove_stale_temps
 from perfrun.data.memmap import MemmapTokens
+from perfrun.data.tokenizers import BYTE_VOCAB
 from perfrun.data.windows import DataBundle, check_splits, count
-from perfrun.tokenizers import BYTE_VOCAB
 
 PYSOURCE_FORMAT = 1  # bump when the way pysource is tokenised changes: old caches are ignored
 

@@ -23,6 +23,7 @@ import numpy as np
 
 from perfrun.config import ConfigError
 from perfrun.data.files import corpus_files
+from perfrun.data.tokenizers import BYTE_VOCAB, Tokenizer, load_tokenizer
 from perfrun.data.windows import (
     DataBundle,
     Windows,
@@ -32,7 +33,6 @@ from perfrun.data.windows import (
     resolve_path,
     split_stream,
 )
-from perfrun.tokenizers import BYTE_VOCAB, Tokenizer, load_tokenizer
 
 SAMPLE_BYTES = 256 * 1024  # text tokenised at setup to measure bytes per token
 SNAP_BYTES = 256  # how far a window's start may move to reach whitespace

@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import Dataset
 
 from perfrun.config import ConfigError
-from perfrun.tokenizers import Tokenizer, load_tokenizer
+from perfrun.data.tokenizers import Tokenizer, load_tokenizer
 
 DEFAULT_VOCAB = 50257  # GPT-2's tokenizer
 

@@ -10,9 +10,5 @@ Kept apart so that the verdict can be tested with fake data:
   lines (ok/warn/fail/skip, each warn or fail with a sentence saying what to do);
   :func:`~perfrun.gpucheck.verdict.exit_code` is 1 when any check fails, else 0;
 * :mod:`~perfrun.gpucheck.render` prints the verdict (rich) or the document (``--json``);
-  :mod:`~perfrun.gpucheck.command` is the argparse command.
+  :mod:`~perfrun.commands.gpu_check` is the argparse command.
 """
-
-from perfrun.gpucheck.command import main
-
-__all__ = ["main"]

@@ -1,5 +1,5 @@
 """``python -m perfrun.gpucheck``: the same as ``perfrun gpu-check``."""
 
-from perfrun.gpucheck.command import main
+from perfrun.commands.gpu_check import main
 
 raise SystemExit(main())

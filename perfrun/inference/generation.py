@@ -1,10 +1,10 @@
 """The decode loop: prompts in, tokens out, timed.
 
 **The static KV cache.** With ``cache=True`` the keys and values live in a
-:class:`~perfrun.model.KVCache` allocated once for ``batch`` sequences of ``capacity``
+:class:`~perfrun.models.gpt.KVCache` allocated once for ``batch`` sequences of ``capacity``
 positions: the longest prompt plus ``max_new_tokens`` - 1, bounded by the model's
 ``block_size``. The prompt goes in one prefill; then each step feeds one token per
-sequence through :meth:`~perfrun.model.GPT.decode_step`, which writes in place at each
+sequence through :meth:`~perfrun.models.gpt.GPT.decode_step`, which writes in place at each
 sequence's own position and attends over the whole cache under a mask, so every step has
 the same shapes. ``compile=True`` compiles that step (sampling included) with
 ``torch.compile``: ``mode="reduce-overhead"`` on CUDA (CUDA graphs), inductor's default
@@ -37,7 +37,7 @@ import torch
 
 from perfrun.devices import synchronize
 from perfrun.inference.sampling import UNIFORM_CHUNK, Sampler
-from perfrun.model import GPT, KVCache
+from perfrun.models.gpt import GPT, KVCache
 
 STOP_CHECK = 32  # steps between the checks that every sequence has stopped (each one host sync)
 WARMUP_STEPS = 3  # compiled: the first call compiles, CUDA graphs record on the next, replay after

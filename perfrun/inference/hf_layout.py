@@ -6,7 +6,7 @@ GPT-2 in ``transformers`` keeps its projections in ``Conv1D``, which stores the 
 transposed. ``lm_head`` is tied to ``wte`` and is not written (``tie_word_embeddings=true``),
 as transformers itself saves it. A model trained with ``model.bias=false`` gets zero
 biases, which compute the same. Each file is written whole or not at all
-(:func:`perfrun.atomic.atomic_write`).
+(:func:`perfrun.checkpoint.atomic.atomic_write`).
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from perfrun.atomic import atomic_write, write_json
+from perfrun.checkpoint.atomic import atomic_write, write_json
 from perfrun.config import ConfigError
-from perfrun.model import GPT
+from perfrun.models.gpt import GPT
 
 CONV1D = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 

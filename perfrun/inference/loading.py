@@ -1,6 +1,6 @@
 """A checkpoint into a model ready for inference: found, loaded, checked, rebuilt.
 
-Loading goes through :mod:`perfrun.checkpoint_files` (its ``load`` and ``load_model_weights``),
+Loading goes through :mod:`perfrun.checkpoint.files` (its ``load`` and ``load_model_weights``),
 which decides what a file may contain; this module only rebuilds the GPT that the
 checkpoint describes, checks that its weights are finite (a run that diverged leaves
 NaN weights that would sample garbage without a word), and knows the checkpoint's
@@ -15,11 +15,11 @@ from typing import Any
 
 import torch
 
-from perfrun import checkpoint_files as checkpoint
+from perfrun.checkpoint import files as checkpoint
 from perfrun.config import ConfigError
 from perfrun.console import first_line
-from perfrun.model import GPT, GPTConfig
-from perfrun.tokenizers import BYTE_VOCAB, Tokenizer, load_tokenizer
+from perfrun.data.tokenizers import BYTE_VOCAB, Tokenizer, load_tokenizer
+from perfrun.models.gpt import GPT, GPTConfig
 
 BYTE_SOURCES = ("pysource", "text")  # data= sources whose tokens are bytes unless a tokenizer is named
 

@@ -6,7 +6,7 @@ Batch and sequence axes are dynamic (sequence up to ``block_size``: positions ar
 The file is written into a scratch folder beside the target, loaded in onnxruntime and
 compared with the PyTorch model's logits on shapes other than the one it was traced with;
 only if the max absolute difference is within ``atol`` is it copied to its final name
-(all or nothing, :func:`perfrun.atomic.atomic_write`). Otherwise :class:`OnnxMismatch` is
+(all or nothing, :func:`perfrun.checkpoint.atomic.atomic_write`). Otherwise :class:`OnnxMismatch` is
 raised and nothing is written: a bad export never lands where a user would pick it up.
 The default atol, 1e-4, is on fp32 logits: both runtimes compute in fp32 and differ only
 by the order of floating-point sums (about 1e-7 on the tiny model, growing with depth).
@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from perfrun.atomic import atomic_write
+from perfrun.checkpoint.atomic import atomic_write
 from perfrun.config import ConfigError
-from perfrun.model import GPT
+from perfrun.models.gpt import GPT
 
 DEFAULT_ATOL = 1e-4
 ONNX_LIMIT = 2**31 - 1  # protobuf's 2 GiB limit on one file

@@ -32,8 +32,8 @@ import torch
 import torch.nn as nn
 
 from perfrun.config import CHOICES, ConfigError
+from perfrun.device_conditions import FP8_MIN_CAPABILITY
 from perfrun.inference.int8 import torchao_available
-from perfrun.resolvers import FP8_MIN_CAPABILITY
 
 log = logging.getLogger("perfrun")
 

@@ -27,7 +27,7 @@ settings trim what the hooks do, each named in the summary:
 On gradient-accumulation micro-steps but the last, the reduce-scatter is skipped
 (``set_requires_gradient_sync(False)``): fewer collectives for unsharded gradients held
 a little longer. Checkpoints are written by every rank through
-``torch.distributed.checkpoint`` (:func:`perfrun.checkpoint_files.save_sharded`).
+``torch.distributed.checkpoint`` (:func:`perfrun.checkpoint.files.save_sharded`).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from perfrun import losses
+from perfrun.models import losses
 
 
 def apply(cfg: Any, device: torch.device, plan: Any, stack: ExitStack) -> None:

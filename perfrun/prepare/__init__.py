@@ -3,7 +3,7 @@
 reads, with a ``meta.json`` that records the tokenizer and the vocabulary.
 
 A Hydra app like ``perfrun generate`` and ``perfrun export``
-(:class:`perfrun.hydra_command.HydraCommand`): the keys are typed by
+(:class:`perfrun.commands.hydra_app.HydraCommand`): the keys are typed by
 :class:`perfrun.prepare.schema.PrepareConfig` and composed from conf/prepare.yaml, so
 ``--help`` lists them, ``--cfg job`` prints the configuration and a wrong key or type is
 one line. The work is in :mod:`perfrun.prepare.build` (writing, atomically) and
@@ -12,9 +12,9 @@ one line. The work is in :mod:`perfrun.prepare.build` (writing, atomically) and
 
 from __future__ import annotations
 
+from perfrun.commands.hydra_app import HydraCommand
 from perfrun.config import ConfigError
 from perfrun.console import error
-from perfrun.hydra_command import HydraCommand
 from perfrun.prepare.schema import PrepareConfig
 
 

@@ -38,12 +38,12 @@ from rich.progress import (
 from rich.text import Text
 
 import perfrun.prepare.corpus as corpus
-from perfrun.atomic import fsync_dir
+from perfrun.checkpoint.atomic import fsync_dir
 from perfrun.config import ConfigError
 from perfrun.data.files import corpus_files
 from perfrun.data.meta import META_NAME, TokenMeta, dtype_for, read_meta, write_meta
+from perfrun.data.tokenizers import EOT_NAMES, Tokenizer, load_tokenizer
 from perfrun.prepare.schema import validate
-from perfrun.tokenizers import EOT_NAMES, Tokenizer, load_tokenizer
 
 OURS = ("train.bin", "val.bin", META_NAME, "tokenizer.json")
 

@@ -27,7 +27,7 @@ from typing import BinaryIO
 import numpy as np
 
 from perfrun.config import ConfigError
-from perfrun.tokenizers import Tokenizer, load_tokenizer
+from perfrun.data.tokenizers import Tokenizer, load_tokenizer
 
 PIECE_BYTES = 1 << 20  # the most one task reads
 LOOK_BACK = 1 << 16  # how far back from PIECE_BYTES a piece's cut is looked for

@@ -1,5 +1,5 @@
 """``perfrun prepare``'s configuration: one typed dataclass, registered in Hydra's
-ConfigStore by :class:`perfrun.hydra_command.HydraCommand` and merged with
+ConfigStore by :class:`perfrun.commands.hydra_app.HydraCommand` and merged with
 conf/prepare.yaml; its fields' help is what ``--help`` lists."""
 
 from __future__ import annotations

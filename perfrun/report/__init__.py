@@ -1,7 +1,7 @@
 """Run, sweep and tune summaries: one table, a plot, CSV/JSON/HTML/Markdown, and the ablation.
 
 One source of truth: every row is read back from a job's ``summary.json`` (and, for loss
-parity, its ``metrics.jsonl``). The sweep callback (:mod:`perfrun.sweep`) and ``perfrun
+parity, its ``metrics.jsonl``). The sweep callback (:mod:`perfrun.report.sweep_callback`) and ``perfrun
 report`` both call :func:`load` and the same renderers, so the report of a sweep dir
 reproduces the table, CSV and JSON the sweep wrote, byte for byte.
 
@@ -12,10 +12,9 @@ reproduces the table, CSV and JSON the sweep wrote, byte for byte.
 - :mod:`~perfrun.report.render`: rich, CSV, JSON, HTML and Markdown
 - :mod:`~perfrun.report.plot`: tokens/s against each swept key (matplotlib)
 - :mod:`~perfrun.report.sweep_summary`: the files a sweep leaves when it ends
-- :mod:`~perfrun.report.command`: ``perfrun report`` (argparse: it takes paths and flags)
+- :mod:`~perfrun.commands.report`: ``perfrun report`` (argparse: it takes paths and flags)
 """
 
-from perfrun.report.command import main
 from perfrun.report.ladder import DEFAULT_LOSS_WINDOW, ladders, loss_parity, train_losses
 from perfrun.report.plot import PLOT_HINT, plot_or_warn, plot_png
 from perfrun.report.reading import (
@@ -41,7 +40,7 @@ from perfrun.report.sweep_summary import SWEEP_CSV, SWEEP_JSON, SWEEP_PNG, write
 
 __all__ = [
     "DEFAULT_LOSS_WINDOW", "PLOT_HINT", "SWEEP_CSV", "SWEEP_JSON", "SWEEP_PNG", "Group",
-    "Report", "ReportError", "Row", "effective_value", "group_repeats", "job_dirs", "ladders", "load", "loss_parity", "main",
+    "Report", "ReportError", "Row", "effective_value", "group_repeats", "job_dirs", "ladders", "load", "loss_parity",
     "override_key", "plot_or_warn", "plot_png", "print_report", "read_row", "render_text", "swept_keys",
     "to_csv", "to_dict", "to_html", "to_json", "to_markdown", "train_losses", "write_sweep_summary",
 ]

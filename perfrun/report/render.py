@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text  # cells from files are shown as written, never read as rich markup
 
-from perfrun.atomic import json_safe
+from perfrun.checkpoint.atomic import json_safe
 from perfrun.console import wide_console
 from perfrun.report.columns import (
     ALTERNATIVE_COLUMNS,

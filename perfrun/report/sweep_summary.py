@@ -1,5 +1,5 @@
 """The files a sweep leaves in its folder when it ends (written by the Hydra callback,
-:class:`perfrun.sweep.SweepSummary`): CSV, JSON and PNG, from the same :func:`load` and
+:class:`perfrun.report.sweep_callback.SweepSummary`): CSV, JSON and PNG, from the same :func:`load` and
 renderers as ``perfrun report``, so the report of a sweep dir reproduces them byte for byte."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from perfrun.atomic import atomic_write
+from perfrun.checkpoint.atomic import atomic_write
 from perfrun.report.plot import plot_or_warn
 from perfrun.report.reading import load
 from perfrun.report.render import print_report, to_csv, to_json

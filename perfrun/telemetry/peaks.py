@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from perfrun.atomic import atomic_write
+from perfrun.checkpoint.atomic import atomic_write
 from perfrun.devices import synchronize
 
 # --- the datasheet table ----------------------------------------------------------------

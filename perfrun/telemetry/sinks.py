@@ -21,7 +21,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from perfrun.atomic import json_safe
+from perfrun.checkpoint.atomic import json_safe
 from perfrun.telemetry.nvml import SLOWDOWN_REASONS
 
 log = logging.getLogger("perfrun")

@@ -306,7 +306,7 @@ class StepMetrics:
 
     def _gpu_starved_pct(self, first: int, done: int, seconds: float) -> float | None:
         """Percent of steps ``first..done-1``'s device time the GPU spent waiting for its
-        batches (perfrun/handoff_timer.py; read after the timer's flush: the device has passed
+        batches (perfrun/data/handoff_timer.py; read after the timer's flush: the device has passed
         those steps); None off CUDA."""
         new = self.gpu_waits()
         if new is not None:

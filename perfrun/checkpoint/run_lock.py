@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from perfrun.atomic import atomic_write
+from perfrun.checkpoint.atomic import atomic_write
 from perfrun.config import ConfigError
 from perfrun.summary import SUMMARY_FILE, RunSummary, read_summary
 

@@ -15,10 +15,10 @@ from typing import Any
 import torch
 
 from perfrun.config import ConfigError
+from perfrun.data.device_prefetch import DevicePrefetcher
+from perfrun.data.device_synthetic import DeviceSyntheticStream
+from perfrun.data.handoff_timer import HandOffTimer
 from perfrun.data.synthetic import SyntheticTokens
-from perfrun.device_prefetch import DevicePrefetcher
-from perfrun.device_synthetic import DeviceSyntheticStream
-from perfrun.handoff_timer import HandOffTimer
 from perfrun.knobs import Plan
 from perfrun.telemetry.step_metrics import StepMetrics
 

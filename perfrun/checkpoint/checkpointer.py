@@ -6,7 +6,7 @@ the schedule, fp16's loss scale, every random generator (each rank's), the data 
 (the batch stream), the tokens seen (the step metrics), the model's shape and the config.
 One process and DDP save one file that rank 0 writes (every rank holds the same weights);
 FSDP saves a folder into which every rank writes its shards. The file formats are in
-:mod:`perfrun.checkpoint_files`.
+:mod:`perfrun.checkpoint.files`.
 """
 
 from __future__ import annotations
@@ -22,15 +22,16 @@ from typing import Any
 
 import torch
 
-from perfrun import checkpoint_files, distributed
-from perfrun.checkpoint_files import capture_rng, restore_rng
+from perfrun import distributed
+from perfrun.checkpoint import files as checkpoint_files
+from perfrun.checkpoint.files import capture_rng, restore_rng
+from perfrun.checkpoint.resume_search import RunSearch, find_run
+from perfrun.checkpoint.run_lock import remove_temp_files
 from perfrun.config import ConfigError
 from perfrun.console import first_line
-from perfrun.guards import NonFiniteGuard
 from perfrun.knobs import Plan
-from perfrun.resume_search import RunSearch, find_run
-from perfrun.run_lock import remove_temp_files
-from perfrun.step import BatchStream
+from perfrun.loop.step import BatchStream
+from perfrun.loop.stopping import NonFiniteGuard
 from perfrun.summary import RunSummary
 from perfrun.telemetry.sinks import RecordSink
 from perfrun.telemetry.step_metrics import StepMetrics

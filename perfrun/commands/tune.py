@@ -1,7 +1,7 @@
 """``perfrun tune [overrides] [tune.KEY=VALUE | flags]``: the configuration with the highest tokens/s, measured.
 
 Not the largest batch that fits: the fastest one. Each trial is a short run of the real
-trainer (:func:`perfrun.train.run`, progress off) in its own dir under the tune dir, and
+trainer (:func:`perfrun.loop.run.run`, progress off) in its own dir under the tune dir, and
 its figure is the median tokens/s over the steps after ``tune.warmup`` (so compile time and
 the first allocations stay out). The search is greedy, one knob at a time, so it costs a
 handful of trials rather than the grid:
@@ -26,7 +26,7 @@ line (``dataloader.batch_size=16``, ``checkpointing=full``, ``compile=true``,
 unless the command line asks (``checkpoint.at_end=true``, ``checkpoint.every_n_steps=N``).
 :func:`search` takes the trial as a callable, so tests plant the figures.
 
-The command is a Hydra app (conf/tune.yaml, keys typed by :mod:`perfrun.tune_config`):
+The command is a Hydra app (conf/tune.yaml, keys typed by :mod:`perfrun.tune.config`):
 the tune dir is its run dir, with ``.hydra/`` and the trials' log lines in ``tune.log``.
 """
 
@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from perfrun.tune_config import (
+from perfrun.tune.config import (
     TuneConfig,
     TuneError,
     default_workers,
@@ -50,7 +50,7 @@ from perfrun.tune_config import (
     override_value,
     register_tune_schema,
 )
-from perfrun.tune_search import Candidate, Space, TrialResult, TuneResult, search
+from perfrun.tune.search import Candidate, Space, TrialResult, TuneResult, search
 
 SEARCHED = ("dataloader.batch_size", "checkpointing", "compile", "dataloader.num_workers")
 TRIAL_KEYS = ("max_steps", "timing_warmup_steps", "log_every", "eval_every", "eval_batches", "progress",
@@ -90,7 +90,7 @@ class TrainTrial:
 
     def __call__(self, candidate: Candidate) -> TrialResult:
         from perfrun.config import ConfigError
-        from perfrun.train import RunFailed, run
+        from perfrun.loop.run import RunFailed, run
 
         run_dir = self.out_dir / str(self.count)
         self.count += 1
@@ -302,7 +302,7 @@ def _tune(plan: Plan) -> int:
     """The search of ``plan``: a line per trial, the table, tune_summary.json and the winner."""
     from rich.console import Console
 
-    from perfrun.atomic import json_safe, write_json
+    from perfrun.checkpoint.atomic import json_safe, write_json
     from perfrun.console import error, warn, wide_console
 
     console = Console(highlight=False, soft_wrap=True, stderr=plan.settings.json)
@@ -366,8 +366,8 @@ def kept_logging() -> Iterator[None]:
 def _run_app(args: list[str], plan: Plan | None) -> int:
     """The Hydra app with ``args`` as its command line: the tune of ``plan`` in its run dir,
     or (no plan) Hydra's answer to --help, --cfg and the like."""
+    from perfrun.commands.hydra_app import hydra_main
     from perfrun.config import register_configs
-    from perfrun.hydra_command import hydra_main
 
     register_configs()
     register_tune_schema()

@@ -18,7 +18,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from perfrun.checkpoint_names import list_checkpoints
+from perfrun.checkpoint.names import list_checkpoints
 from perfrun.config import ConfigError
 
 IGNORED = ("resume", "max_steps", "progress", "log_every", "monitor", "logger", "mfu", "timing_warmup_steps",

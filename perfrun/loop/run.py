@@ -23,23 +23,23 @@ import torch
 from omegaconf import OmegaConf
 
 from perfrun import distributed
-from perfrun.atomic import write_json
-from perfrun.checkpoint_files import CheckpointWriteError, check_writable
-from perfrun.checkpointer import Checkpointer, Parts, Start, checkpoint_folder
+from perfrun.checkpoint.atomic import write_json
+from perfrun.checkpoint.checkpointer import Checkpointer, Parts, Start, checkpoint_folder
+from perfrun.checkpoint.files import CheckpointWriteError, check_writable
+from perfrun.checkpoint.resume_search import RunSearch, job_config
+from perfrun.checkpoint.run_lock import RunRecord, locked
 from perfrun.config import ConfigError, validate
 from perfrun.console import first_line
 from perfrun.data import build_datasets, build_loader
+from perfrun.device_conditions import device_kind, rung_applies
 from perfrun.environment import device_name, environment, global_state, rank_info
-from perfrun.evaluator import Evaluator
-from perfrun.guards import Diverged, GracefulStop, Interrupted, NonFiniteGuard
 from perfrun.knobs import Plan, apply_knobs, fp8, fsdp
-from perfrun.model import GPT, GPTConfig, padded_vocab
-from perfrun.optim import build_optimizer, build_scheduler
-from perfrun.pretrained import init_from
-from perfrun.resolvers import device_kind, rung_applies
-from perfrun.resume_search import RunSearch, job_config
-from perfrun.run_lock import RunRecord, locked
-from perfrun.step import BatchStream, TrainStep
+from perfrun.loop.evaluation import Evaluator
+from perfrun.loop.optimizer import build_optimizer, build_scheduler
+from perfrun.loop.step import BatchStream, TrainStep
+from perfrun.loop.stopping import Diverged, GracefulStop, Interrupted, NonFiniteGuard
+from perfrun.models.gpt import GPT, GPTConfig, padded_vocab
+from perfrun.models.pretrained import init_from
 from perfrun.summary import RunSummary
 from perfrun.telemetry import contention
 from perfrun.telemetry.loggers import build_sinks
@@ -99,7 +99,7 @@ def setup(cfg: Any, stack: ExitStack) -> Setup:
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.max_steps)
     auto_batch = None
     if cfg.dataloader.batch_size == "auto":  # the largest batch that fits, found before the loaders exist
-        from perfrun.batch_size import resolve_auto_batch
+        from perfrun.loop.auto_batch import resolve_auto_batch
 
         auto_batch = resolve_auto_batch(cfg, device, plan, optimizer, len(data.train), seq_len, data.vocab_size)
         cfg.dataloader.batch_size = auto_batch["batch_size"]

@@ -1,4 +1,4 @@
-"""``python -m perfrun.quantize checkpoint=PATH [val_batches=N] [batch_size=B] [gen_tokens=N]
+"""``python -m perfrun.commands.quantize checkpoint=PATH [val_batches=N] [batch_size=B] [gen_tokens=N]
 [include_head=false] [json=false]``: the int8 report, as ``perfrun export format=int8-report``
 with those keys under ``int8.`` (the measurement itself is :mod:`perfrun.inference.int8`)."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sys
 
-from perfrun import export
+from perfrun.commands import export
 
 OPTIONS = ("val_batches", "batch_size", "gen_tokens", "include_head", "json")
 

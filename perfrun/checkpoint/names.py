@@ -1,6 +1,6 @@
 """Which files and folders in a checkpoint folder are complete checkpoints, by name alone.
 
-Apart from :mod:`perfrun.checkpoint_files` because it needs no torch: the launcher of a
+Apart from :mod:`perfrun.checkpoint.files` because it needs no torch: the launcher of a
 multi-rank run looks for the run that ``resume=auto`` continues before it starts torchrun,
 and importing torch only to list a folder would cost it two seconds of start-up.
 """

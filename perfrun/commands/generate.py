@@ -23,14 +23,14 @@ from typing import Any
 
 import torch
 
+from perfrun.commands.hydra_app import HydraCommand
 from perfrun.config import ConfigError
 from perfrun.console import error, stderr_console
+from perfrun.data.tokenizers import Tokenizer
 from perfrun.devices import resolve_device
-from perfrun.hydra_command import HydraCommand
 from perfrun.inference.generation import Generation, Generator
 from perfrun.inference.loading import Loaded, load_model
 from perfrun.inference.sampling import Sampler
-from perfrun.tokenizers import Tokenizer
 
 MAX_NEW_TOKENS = 100_000  # past block_size each token costs a full forward over block_size tokens
 CACHE_HELP = ("the static KV cache, preallocated for the longest prompt + max_new_tokens and at most block_size "

@@ -32,7 +32,7 @@ from omegaconf import OmegaConf
 from perfrun.config import ConfigError, config_dir
 from perfrun.console import first_line
 from perfrun.inference.hf_layout import perfrun_state_dict
-from perfrun.model import GPT
+from perfrun.models.gpt import GPT
 
 SHAPE = {"n_layer": "n_layer", "n_head": "n_head", "n_embd": "n_embd", "block_size": "n_positions"}
 ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")  # GELU with the tanh approximation, as perfrun's

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from perfrun.losses import LossFn, standard_linear_cross_entropy
+from perfrun.models.losses import LossFn, standard_linear_cross_entropy
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 A checkpoint holds only tensors, numbers, strings, lists and dicts, so it loads with
 ``torch.load(weights_only=True)``: a checkpoint from a stranger cannot run code. It is
-written through :func:`perfrun.atomic.atomic_write`: a crash (even ``kill -9``) mid-write
+written through :func:`perfrun.checkpoint.atomic.atomic_write`: a crash (even ``kill -9``) mid-write
 never leaves a half file where a good one was.
 
 Two layouts: ``step_NNNNNNN.pt``, one file written by rank 0 (one process, DDP), and
@@ -26,9 +26,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from perfrun import __version__, distributed, safe_checkpoint
-from perfrun.atomic import atomic_write, fsync_dir
-from perfrun.checkpoint_names import META, is_sharded, list_checkpoints  # noqa: F401 - part of this module's API
+from perfrun import __version__, distributed
+from perfrun.checkpoint import safe_loading as safe_checkpoint
+from perfrun.checkpoint.atomic import atomic_write, fsync_dir
+from perfrun.checkpoint.names import META, is_sharded, list_checkpoints  # noqa: F401 - part of this module's API
 from perfrun.config import ConfigError
 from perfrun.console import first_line
 

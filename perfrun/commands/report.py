@@ -7,7 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from perfrun.atomic import atomic_write
+from perfrun.checkpoint.atomic import atomic_write
 from perfrun.console import error
 from perfrun.report.ladder import DEFAULT_LOSS_WINDOW
 from perfrun.report.plot import plot_or_warn

@@ -2,7 +2,7 @@
 a sweep job with ``nproc`` > 1 starts its own, and a rank started by torchrun joins its
 group before Hydra so that every rank writes into the one run dir that rank 0 resolved.
 
-``python -m perfrun.launch TORCHRUN_ARGS`` is torchrun (``torch.distributed.run``) whose
+``python -m perfrun.commands.launch TORCHRUN_ARGS`` is torchrun (``torch.distributed.run``) whose
 failures read as the ranks' own one-line errors and exit code: torchrun itself reports a
 failed rank with a page (ChildFailedError, its traceback and an error table) after the
 rank has already printed its one line; :func:`main` keeps the rank's line and code and
@@ -87,7 +87,7 @@ def run_torchrun(nproc: int, train_args: list[str]) -> int:
     stdout for the summary."""
     import subprocess
 
-    cmd = [sys.executable, "-m", "perfrun.launch", "--standalone", f"--nproc_per_node={nproc}",
+    cmd = [sys.executable, "-m", "perfrun.commands.launch", "--standalone", f"--nproc_per_node={nproc}",
            "-m", "perfrun", "train", *train_args]
     proc = subprocess.Popen(cmd, stdout=sys.stderr if sys.stdout is sys.stderr else None)
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: proc.send_signal(signum))
@@ -112,7 +112,7 @@ def run_sweep_job_on_ranks(cfg: Any, overrides: list[str], run_dir: Path) -> int
     into the job's folder (rank 0 its summary.json, which the sweep summary reads). So a
     sweep can vary nproc and distributed, and each job can go to a cluster node whole.
     The ranks see a single run, so the job's logger names (its sweep's group) go with them."""
-    from perfrun.atomic import write_json
+    from perfrun.checkpoint.atomic import write_json
     from perfrun.config import ConfigError
     from perfrun.telemetry.loggers import sweep_job_names
 

@@ -2,7 +2,7 @@
 
 ``perfrun train`` hands the rest of the command line to a real Hydra app, so ``-m``,
 ``--cfg job``, ``--help``, ``--info`` and shell completion all work; what several
-processes need (torchrun, one run dir for every rank) is in :mod:`perfrun.launch`.
+processes need (torchrun, one run dir for every rank) is in :mod:`perfrun.commands.launch`.
 Hydra's completion script calls ``perfrun -sc query=bash`` with the whole line in
 COMP_LINE; the ``train`` word is removed from it here, since Hydra knows no subcommands,
 and the answer is composed without importing the trainer (no torch), so a Tab is quick.
@@ -19,9 +19,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from perfrun.config import config_dir
-from perfrun.console import composition_error, error, first_line, stderr_console
-from perfrun.launch import (
+from perfrun.checkpoint.run_lock import undone_if_refused
+from perfrun.commands.launch import (
     arg_value,
     dir_overrides,
     hydra_dirs,
@@ -32,7 +31,8 @@ from perfrun.launch import (
     validate_job,
     world_size,
 )
-from perfrun.run_lock import undone_if_refused
+from perfrun.config import config_dir
+from perfrun.console import composition_error, error, first_line, stderr_console
 
 COMMANDS = {
     "train": "train a GPT with the knobs you choose (a Hydra app: perfrun train --help)",
@@ -44,8 +44,8 @@ COMMANDS = {
     "prepare": "tokenise a corpus into train.bin/val.bin for data=memmap (a Hydra app: perfrun prepare --help)",
 }
 # The other commands: each module's main(argv) -> exit code, imported only when used.
-_MODULES = {"gpu-check": "perfrun.gpucheck", "report": "perfrun.report", "tune": "perfrun.tune",
-            "generate": "perfrun.generate", "export": "perfrun.export", "prepare": "perfrun.prepare"}
+_MODULES = {"gpu-check": "perfrun.commands.gpu_check", "report": "perfrun.commands.report", "tune": "perfrun.commands.tune",
+            "generate": "perfrun.commands.generate", "export": "perfrun.commands.export", "prepare": "perfrun.prepare"}
 # the other commands that are Hydra apps: Tab completes their keys as it does train's
 HYDRA_COMMANDS = ("tune", "generate", "export", "prepare")
 _FAILED_JOBS: list[str] = []
@@ -151,7 +151,7 @@ def _failed_jobs(in_process: list[str], sweep_dir: str | None) -> list[str]:
     job in another process (slurm, slurm_local) leaves them."""
     if in_process or sweep_dir is None:
         return in_process
-    from perfrun.sweep import failed_jobs
+    from perfrun.report.sweep_callback import failed_jobs
 
     return failed_jobs(Path(sweep_dir))
 
@@ -241,8 +241,8 @@ def _continue_run(composed: Any) -> tuple[list[str], Path]:
     dir the job will write into."""
     from omegaconf import OmegaConf
 
-    from perfrun.checkpoint_names import list_checkpoints
-    from perfrun.resume_search import RunSearch, find_run, job_config, search_root
+    from perfrun.checkpoint.names import list_checkpoints
+    from perfrun.checkpoint.resume_search import RunSearch, find_run, job_config, search_root
 
     run_dir = Path(str(composed.hydra.run.dir))
     if composed.resume != "auto" or composed.checkpoint.dir:
@@ -263,7 +263,7 @@ def _search_root(args: list[str]) -> Path | None:
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from perfrun.resume_search import search_root
+    from perfrun.checkpoint.resume_search import search_root
 
     if os.environ.get(SEARCH_ROOT_ENV):  # a sweep job's ranks: the sweep's own
         return Path(os.environ[SEARCH_ROOT_ENV])
@@ -320,9 +320,9 @@ def _run_app(args: list[str]) -> int:
     @hydra.main(version_base="1.3", config_path=config_dir(), config_name="train")
     def app(cfg: DictConfig) -> None:
         # the trainer (and torch) is imported by a job, never by --help, --cfg or --info
-        from perfrun.guards import Interrupted
+        from perfrun.loop.run import RunFailed, run
+        from perfrun.loop.stopping import Interrupted
         from perfrun.telemetry.sinks import shown_path
-        from perfrun.train import RunFailed, run
 
         hc = HydraConfig.get()
         run_dir = Path(hc.runtime.output_dir)

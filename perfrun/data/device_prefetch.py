@@ -19,7 +19,7 @@ last handed over was read (not the batch already read ahead), so a checkpoint re
 exactly the next batch.
 
 How long the GPU waited for each batch (the copy's landing and the host's reading of the
-next batch alike) is timed by the caller around each hand-off (perfrun/handoff_timer.py).
+next batch alike) is timed by the caller around each hand-off (perfrun/data/handoff_timer.py).
 On the CPU (or with ``ahead=False``) it is a pass-through.
 """
 

@@ -17,9 +17,9 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from perfrun.commands.hydra_app import HydraCommand
 from perfrun.config import ConfigError
 from perfrun.console import error, stderr_console
-from perfrun.hydra_command import HydraCommand
 from perfrun.inference.hf_layout import export_safetensors
 from perfrun.inference.loading import load_model
 from perfrun.inference.onnx_export import DEFAULT_ATOL, OnnxMismatch, export_onnx

@@ -1,4 +1,4 @@
-"""The greedy search of ``perfrun tune`` (see :mod:`perfrun.tune` for the order in which
+"""The greedy search of ``perfrun tune`` (see :mod:`perfrun.commands.tune` for the order in which
 it tries the knobs): the candidates, the trials' results, and :func:`search`, which takes
 the trial as a callable, so tests plant the figures."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
-from perfrun.tune_config import default_workers
+from perfrun.tune.config import default_workers
 
 
 @dataclass(frozen=True)
