@@ -53,7 +53,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from perfrun.config import ConfigError
+from perfrun.config import ConfigError, DataLoaderConfig
 from perfrun.knobs import compilation
 
 log = logging.getLogger("perfrun")
@@ -300,12 +300,11 @@ def _set_rng_state(device: torch.device, state: tuple[torch.Tensor, torch.Tensor
 
 
 def resolve_auto_batch(
-    cfg: Any, device: torch.device, plan: Any, optimizer: torch.optim.Optimizer,
+    dl: DataLoaderConfig, device: torch.device, plan: Any, optimizer: torch.optim.Optimizer,
     train_sequences: int, seq_len: int, vocab_size: int,
 ) -> dict[str, Any]:
     """Find the batch for ``dataloader.batch_size=auto``; return what was chosen and how, for
     summary.json (``batch_size`` is the choice). The run then starts as if it had been given."""
-    dl = cfg.dataloader
     budget_mib = dl.memory_budget_mib
     if device.type != "cuda" and budget_mib is None:
         import psutil
