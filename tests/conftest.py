@@ -15,7 +15,8 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from perfrun.config import TrainConfig, config_dir, register_configs, typed
+from perfrun.commands.compose import typed
+from perfrun.config import TrainConfig, config_dir, register_configs
 
 REPO = Path(__file__).resolve().parent.parent
 
