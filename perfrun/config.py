@@ -12,11 +12,15 @@ import importlib.util
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from hydra.core.config_store import ConfigStore
 
 from perfrun import device_conditions as resolvers
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
 
 Piece = TypeVar("Piece")
 
@@ -298,6 +302,29 @@ CHOICES = {
 }
 
 
+def typed(composed: DictConfig) -> TrainConfig:
+    """The composed configuration (Hydra's DictConfig, its ``hydra`` node left out) as the
+    schema's dataclasses, once, at the top of a job: every function after takes a typed
+    piece of it. A key the schema lacks (``+key=value``) is refused here, where it is seen."""
+    from omegaconf import OmegaConf, open_dict
+
+    job = composed.copy()
+    with open_dict(job):
+        job.pop("hydra", None)
+    unknown = _unknown_keys(job, OmegaConf.structured(TrainConfig))
+    if unknown:
+        raise ConfigError(
+            f"{', '.join(unknown)}: not a key perfrun knows; remove it "
+            "(perfrun train --cfg job lists the keys)"
+        )
+    return OmegaConf.to_object(job)  # type: ignore[return-value]
+
+
+def as_dict(cfg: TrainConfig) -> dict[str, Any]:
+    """The configuration as plain containers: what summary.json and checkpoints record."""
+    return dataclasses.asdict(cfg)
+
+
 def from_record(piece: type[Piece], record: dict[str, Any]) -> Piece:
     """A configuration piece from its part of a recorded configuration (a checkpoint's),
     keeping the keys the schema has: a record written by an older or newer perfrun loads."""
@@ -305,11 +332,29 @@ def from_record(piece: type[Piece], record: dict[str, Any]) -> Piece:
     return piece(**{k: v for k, v in record.items() if k in known})
 
 
+def select(cfg: TrainConfig, dotted: str) -> Any:
+    """The value at a dotted key (``model.n_layer``) of a typed configuration."""
+    return _get(cfg, dotted)
+
+
 def _get(root: object, dotted: str) -> Any:
     node: Any = root
     for part in dotted.split("."):
         node = getattr(node, part)
     return node
+
+
+def _unknown_keys(node: Any, schema: Any, prefix: str = "") -> list[str]:
+    """Keys in ``node`` that the schema lacks (Hydra's ``+key=value`` can add them)."""
+    from omegaconf import DictConfig
+
+    unknown = []
+    for key in node.keys() if isinstance(node, DictConfig) else []:
+        if key not in schema:
+            unknown.append(f"{prefix}{key}")
+        elif isinstance(schema[key], DictConfig):
+            unknown += _unknown_keys(node[key], schema[key], f"{prefix}{key}.")
+    return unknown
 
 
 def _check_batch_size(dl: DataLoaderConfig) -> None:

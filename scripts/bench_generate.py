@@ -34,8 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from hydra import compose, initialize_config_dir  # noqa: E402
 
 from perfrun.checkpoint import files as checkpoint  # noqa: E402
-from perfrun.commands.compose import typed  # noqa: E402
-from perfrun.config import config_dir, register_configs  # noqa: E402
+from perfrun.config import config_dir, register_configs, typed  # noqa: E402
 from perfrun.devices import resolve_device  # noqa: E402
 from perfrun.inference.generation import Generator  # noqa: E402
 from perfrun.inference.loading import Loaded, load_model  # noqa: E402

@@ -46,8 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_train import plain_loop  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 
-from perfrun.commands.compose import typed  # noqa: E402
-from perfrun.config import config_dir, register_configs  # noqa: E402
+from perfrun.config import config_dir, register_configs, typed  # noqa: E402
 from perfrun.console import first_line  # noqa: E402
 from perfrun.devices import resolve_device  # noqa: E402
 from perfrun.inference.int8 import torchao_available  # noqa: E402

@@ -30,10 +30,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hydra import compose, initialize_config_dir  # noqa: E402
 
-from perfrun.commands.compose import typed  # noqa: E402
 from perfrun.config import (
     config_dir,  # noqa: E402
     register_configs,  # noqa: E402
+    typed,  # noqa: E402
 )
 from perfrun.data import build_datasets, build_loader  # noqa: E402
 from perfrun.devices import resolve_device  # noqa: E402

@@ -15,8 +15,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from perfrun.commands.compose import typed
-from perfrun.config import TrainConfig, config_dir, register_configs
+from perfrun.config import TrainConfig, config_dir, register_configs, typed
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from functools import reduce
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -154,13 +153,15 @@ def _resolved(overrides: list[str], cfg: TrainConfig) -> list[str]:
     """The job's overrides for its torchrun, with interpolations replaced by their values in
     this job: ``nproc=${hydra:launcher.gpus_per_node}`` means this job's launcher, which
     the ranks (composing with Hydra's basic launcher) do not have."""
+    from perfrun.config import select
+
     out = []
     for override in overrides:
         key, sep, value = override.partition("=")
         if not sep or not ("${" in value or "$\\{" in value) or key.startswith(("~", "hydra")):  # as typed, or as Hydra escapes it
             out.append(override)
             continue
-        v = reduce(getattr, key.lstrip("+").split("."), cfg)
+        v = select(cfg, key.lstrip("+"))
         if isinstance(v, bool) or v is None:
             out.append(f"{key}={'null' if v is None else str(v).lower()}")
         elif isinstance(v, int | float):

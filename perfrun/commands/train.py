@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from perfrun.checkpoint.run_lock import undone_if_refused
-from perfrun.commands.compose import typed
 from perfrun.commands.launch import (
     arg_value,
     dir_overrides,
@@ -31,7 +30,7 @@ from perfrun.commands.launch import (
     validate_job,
     world_size,
 )
-from perfrun.config import config_dir
+from perfrun.config import config_dir, typed
 from perfrun.console import composition_error, error, first_line, stderr_console
 
 PARALLEL = ("ddp", "fsdp")  # the distributed= values that run one process per GPU

@@ -83,8 +83,7 @@ class TrainTrial:
         from hydra import compose, initialize_config_dir
         from hydra.core.global_hydra import GlobalHydra
 
-        from perfrun.commands.compose import typed
-        from perfrun.config import config_dir, register_configs
+        from perfrun.config import config_dir, register_configs, typed
 
         overrides = [*self.overrides, *candidate.overrides(), *self.settings]
         if GlobalHydra.instance().is_initialized():  # inside the tune's Hydra app, which searches conf/

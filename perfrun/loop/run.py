@@ -17,7 +17,6 @@ import signal
 import time
 from collections.abc import Sequence
 from contextlib import ExitStack
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +28,7 @@ from perfrun.checkpoint.checkpointer import Start
 from perfrun.checkpoint.files import CheckpointWriteError, check_writable
 from perfrun.checkpoint.resume_search import RunSearch
 from perfrun.checkpoint.run_lock import RunRecord, locked
-from perfrun.config import ConfigError, TrainConfig
+from perfrun.config import ConfigError, TrainConfig, as_dict
 from perfrun.console import first_line
 from perfrun.device_conditions import device_kind, rung_applies
 from perfrun.environment import environment, global_state, rank_info
@@ -146,7 +145,7 @@ def _skip_rung(cfg: TrainConfig, run_dir: Path | None, overrides: list[str] | No
     says why, so the report shows it as not applicable; a summary already in ``run_dir`` stays."""
     reason = f"not applicable on {device_kind(cfg.device)}: {cfg.ablation.why}"
     summary: RunSummary = {"status": "skipped", "reason": reason, "overrides": list(overrides or []),
-                           "config": asdict(cfg)}
+                           "config": as_dict(cfg)}
     log.info(f"rung {cfg.ablation.rung} skipped, {reason}")
     if run_dir is not None and not (run_dir / "summary.json").exists():
         run_dir.mkdir(parents=True, exist_ok=True)

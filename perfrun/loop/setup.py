@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import logging
 from contextlib import ExitStack
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from perfrun import distributed
-from perfrun.config import ConfigError, TrainConfig, validate
+from perfrun.config import ConfigError, TrainConfig, as_dict, validate
 from perfrun.data import build_datasets, build_loader
 from perfrun.environment import device_name
 from perfrun.knobs import Plan, apply_knobs, fp8, fsdp
@@ -45,7 +45,7 @@ class Resolved:
         """The configuration as summary.json and checkpoints record it: as composed, with the
         data's tokenizer and vocabulary and the batch size in place (perfrun generate reads
         ``data.tokenizer`` there, and a resume compares the batch)."""
-        record = asdict(cfg)
+        record = as_dict(cfg)
         if self.vocab_size is not None:
             record["data"].update(tokenizer=self.tokenizer, vocab_size=self.vocab_size)
         if self.batch_size is not None:

@@ -18,13 +18,12 @@ import netrc
 import os
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlparse
 from urllib.request import url2pathname
 
-from perfrun.config import ConfigError, TrainConfig
+from perfrun.config import ConfigError, TrainConfig, as_dict
 from perfrun.console import first_line, warn
 from perfrun.telemetry.sinks import JsonlSink, shown_path
 
@@ -292,7 +291,7 @@ def start_logger(cfg: TrainConfig, run_dir: Path | None, sweep_args: Sequence[st
     if lg.name == "none" or (run_dir is None and not lg.dir):
         return None
     names = job_names(cfg, run_dir, sweep_args)
-    config = asdict(cfg)
+    config = as_dict(cfg)
     if lg.name == "tensorboard":
         return TensorBoardLogger(Path(lg.dir) if lg.dir else Path(run_dir) / "tensorboard", config, names)
     if lg.name == "wandb":
