@@ -55,8 +55,12 @@ class BatchStream:
             return "loader" if self.device.type == "cpu" else "loader, copied when taken"
         return "drawn on the device" if isinstance(self.loader.dataset, SyntheticTokens) else "copied ahead on a side stream"
 
-    def start(self, epoch: int, consumed: int) -> None:
-        self.epoch, self.consumed = epoch, consumed
+    def start(self, epoch: int | None = None, consumed: int | None = None) -> None:
+        """Batches from (epoch, consumed); by default from the position a checkpoint gave
+        (:meth:`load_state_dict`), else from the beginning."""
+        self.epoch = self.epoch if epoch is None else epoch
+        self.consumed = self.consumed if consumed is None else consumed
+        epoch, consumed = self.epoch, self.consumed
         self._ahead = None
         if self.ahead and isinstance(self.loader.dataset, SyntheticTokens):
             self._ahead = self._device_synthetic(epoch, consumed)
@@ -77,6 +81,14 @@ class BatchStream:
 
     def position(self) -> dict[str, int]:
         return self._host_position() if self._ahead is None else self._ahead.position()
+
+    def state_dict(self) -> dict[str, int]:
+        """A checkpoint's data position: the next batch the loop takes."""
+        return self.position()
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        """Start (at :meth:`start`) from a checkpoint's position."""
+        self.epoch, self.consumed = int(state_dict["epoch"]), int(state_dict["consumed"])
 
     def pop_gpu_wait_ms(self) -> list[float] | None:
         """How long the GPU waited for each batch since the last call (:class:`HandOffTimer`);
@@ -124,9 +136,9 @@ class TrainStep:
         self.params = [p for p in plan.raw_model.parameters() if p.requires_grad]
         self.clip = clip if clip > 0 else math.inf
 
-    def start(self, epoch: int, consumed: int) -> None:
-        """Batches from the given position, the model in training mode."""
-        self.stream.start(epoch, consumed)
+    def start(self) -> None:
+        """Batches from the stream's position (a resumed run's), the model in training mode."""
+        self.stream.start()
         self.plan.model.train()
 
     def __call__(self, step: int) -> tuple[torch.Tensor, torch.Tensor, float]:
