@@ -32,7 +32,6 @@ from perfrun.checkpoint.stateful import Stateful
 from perfrun.config import ConfigError
 from perfrun.console import first_line
 from perfrun.summary import RunSummary
-from perfrun.telemetry.sinks import RecordSink
 
 log = logging.getLogger("perfrun")
 
@@ -70,18 +69,20 @@ class Checkpointer:
     Every rank calls every method: saving and resuming are collectives under several ranks.
     """
 
-    def __init__(self, cfg_checkpoint: Any, folder: Path | None, parts: Mapping[str, Stateful], sink: RecordSink, *,
+    def __init__(self, cfg_checkpoint: Any, folder: Path | None, parts: Mapping[str, Stateful],
+                 record: Callable[[dict[str, Any]], None], *,
                  sharded: bool, all_finite: Callable[[], bool], paused: Callable[[], AbstractContextManager[Any]],
                  config: dict[str, Any], seed: int, max_steps: int, search: RunSearch | None = None) -> None:
         """``parts``: every entry of :data:`PARTS`; ``parts["model"]`` is the plain model and
         ``parts["optimizer"]`` its optimizer (FSDP's ``sharded`` state saves them by rank).
         ``all_finite``: may this state be saved (no rank's last step was inf or NaN);
-        ``paused``: the step timer's pause around a save."""
+        ``paused``: the step timer's pause around a save; ``record``: where each save is
+        written down (the run's metrics.jsonl)."""
         missing = [name for name in PARTS if not isinstance(parts.get(name), Stateful)]
         if missing:
             raise TypeError(f"the checkpointer needs a state_dict/load_state_dict part for each of {missing}")
         self.every, self.at_end, self.keep_last = cfg_checkpoint.every_n_steps, cfg_checkpoint.at_end, cfg_checkpoint.keep_last
-        self.folder, self.parts, self.sink = folder, dict(parts), sink
+        self.folder, self.parts, self.record = folder, dict(parts), record
         self.model: torch.nn.Module = parts["model"]  # type: ignore[assignment]
         self.optimizer: torch.optim.Optimizer = parts["optimizer"]  # type: ignore[assignment]
         self.sharded, self.all_finite, self.paused = sharded, all_finite, paused
@@ -116,7 +117,7 @@ class Checkpointer:
             seconds = time.perf_counter() - t
             self.saved.append(str(path))
             self.time_s += seconds
-            self.sink.write({"kind": "checkpoint", "step": step, "path": str(path), "save_s": seconds})
+            self.record({"kind": "checkpoint", "step": step, "path": str(path), "save_s": seconds})
 
     def _state(self) -> dict[str, Any]:
         """Every part's state but the model's and optimizer's, the random generators and

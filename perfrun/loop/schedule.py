@@ -50,7 +50,7 @@ def build_loop(cfg: Any, built: Setup, run_dir: Path | None, sink: RecordSink, r
     guard = NonFiniteGuard(device, cfg.guard.max_bad_steps, scaler_skips=plan.skips_nonfinite_steps)
     parts = {"model": plan.raw_model, "optimizer": optimizer, "scheduler": scheduler, "scaler": plan, "data": stream,
              "tokens": metrics}  # each saved under its name
-    checkpointer = Checkpointer(cfg.checkpoint, checkpoint_folder(cfg.checkpoint.dir, run_dir), parts, sink,
+    checkpointer = Checkpointer(cfg.checkpoint, checkpoint_folder(cfg.checkpoint.dir, run_dir), parts, sink.write,
                                 sharded=plan.sharded_state, all_finite=guard.all_finite, paused=metrics.paused,
                                 config=_plain(cfg), seed=cfg.seed, max_steps=cfg.max_steps, search=search)
     return Loop(
