@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -125,12 +125,40 @@ class BatchStream:
             world=getattr(sampler, "world", 1), consumed=consumed)
 
 
+class Batches(Protocol):
+    """Where a step takes its batches: the run's :class:`BatchStream`, or the random tokens
+    of a batch-size trial (:mod:`perfrun.loop.auto_batch`)."""
+
+    def start(self) -> None: ...
+
+    def take(self) -> tuple[torch.Tensor, ...]: ...
+
+
+class _NoMarks:
+    @staticmethod
+    def mark(phase: str) -> None:
+        """A phase of an untimed step ended: nothing to record."""
+
+
+class Untimed:
+    """The step metrics of a step that is no part of the run's figures (a batch-size trial)."""
+
+    phases = _NoMarks()
+
+    def begin_step(self) -> None:
+        """Nothing is timed."""
+
+    def end_step(self) -> None:
+        """Nothing is timed."""
+
+
 class TrainStep:
     """``plan.micro_steps`` micro-batches (forward under the plan's contexts, the plan's
-    backward), then the plan's optimizer step and the schedule, timed phase by phase."""
+    backward), then the plan's optimizer step and the schedule, timed phase by phase.
+    The one training step: the run's, and the batch-size search's trials."""
 
     def __init__(self, plan: Plan, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
-                 stream: BatchStream, metrics: StepMetrics, *, clip: float, device: torch.device) -> None:
+                 stream: Batches, metrics: StepMetrics | Untimed, *, clip: float, device: torch.device) -> None:
         self.plan, self.optimizer, self.scheduler, self.stream = plan, optimizer, scheduler, stream
         self.metrics, self.device = metrics, device
         self.params = [p for p in plan.raw_model.parameters() if p.requires_grad]
