@@ -169,6 +169,25 @@ def test_the_directions_say_what_the_design_says() -> None:
     assert _cycles({p: set(targets) for p, targets in MAY_IMPORT.items()}) == []  # the directions form layers
 
 
+# Where a knob module is named outside knobs/: setup runs fp8's and fsdp's checks before any data or
+# model is built, and evaluation and the batch-size trials run compiled code eagerly. A new knob
+# adds none: it is its module, its place in knobs.apply_knobs' order, its config group, its test
+# and its docs line (docs/architecture.md: adding a knob).
+KNOB_SEAMS = {"perfrun.loop.setup": {"fp8", "fsdp"}, "perfrun.loop.evaluation": {"compilation"},
+              "perfrun.loop.auto_batch": {"compilation"}}
+
+
+def test_knob_modules_are_named_only_inside_knobs_and_at_the_known_seams() -> None:
+    modules = _modules()
+    named = {}
+    for name, path in modules.items():
+        if _package(name) != "knobs":
+            knobs = {t.rpartition(".")[2] for t in _imports(path, name, modules) if t.startswith("perfrun.knobs.")}
+            if knobs:
+                named[name] = knobs
+    assert named == KNOB_SEAMS
+
+
 def test_no_private_name_crosses_modules() -> None:
     crossing = []
     for name, path in _modules().items():
