@@ -191,7 +191,7 @@ class AblationConfig:
     """A job's place in the measured ladder (``+sweep=ablation``, conf/ablation/): read by
     perfrun report to build the ladder, leave-one-out and trade-off tables; training ignores it."""
 
-    rung: str = ""  # the rung's name; "" outside an ablation
+    rung: str = ""  # the rung's name; "" outside the ladder
     kind: str = ""  # ladder | without | alternative | tradeoff | seed
     step: int = 0  # ladder: its place from the naive trainer (0) up
     knob: str = ""  # without: the knob turned off; alternative: the rung it stands in for

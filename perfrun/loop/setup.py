@@ -66,7 +66,8 @@ def setup(cfg: Any, stack: ExitStack) -> Setup:
     if cfg.dataloader.batch_size == "auto":  # the largest batch that fits, found before the loaders exist
         from perfrun.loop.auto_batch import resolve_auto_batch
 
-        auto_batch = resolve_auto_batch(cfg, device, plan, optimizer, len(data.train), seq_len, data.vocab_size)
+        auto_batch = resolve_auto_batch(cfg, device, plan, optimizer, scheduler, len(data.train), seq_len,
+                                        data.vocab_size)
         cfg.dataloader.batch_size = auto_batch["batch_size"]
 
     train_loader = build_loader(data.train, cfg.dataloader, device_type=device.type, shuffle=True, seed=cfg.seed,
