@@ -7,15 +7,22 @@ size below one, a sequence longer than the model) is checked by :func:`validate`
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from hydra.core.config_store import ConfigStore
 
 from perfrun import device_conditions as resolvers
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+
+Piece = TypeVar("Piece")
 
 
 class ConfigError(ValueError):
@@ -295,8 +302,43 @@ CHOICES = {
 }
 
 
-def _get(cfg: Any, dotted: str) -> Any:
-    node = cfg
+def typed(composed: DictConfig) -> TrainConfig:
+    """The composed configuration (Hydra's DictConfig, its ``hydra`` node left out) as the
+    schema's dataclasses, once, at the top of a job: every function after takes a typed
+    piece of it. A key the schema lacks (``+key=value``) is refused here, where it is seen."""
+    from omegaconf import OmegaConf, open_dict
+
+    job = composed.copy()
+    with open_dict(job):
+        job.pop("hydra", None)
+    unknown = _unknown_keys(job, OmegaConf.structured(TrainConfig))
+    if unknown:
+        raise ConfigError(
+            f"{', '.join(unknown)}: not a key perfrun knows; remove it "
+            "(perfrun train --cfg job lists the keys)"
+        )
+    return OmegaConf.to_object(job)  # type: ignore[return-value]
+
+
+def as_dict(cfg: TrainConfig) -> dict[str, Any]:
+    """The configuration as plain containers: what summary.json and checkpoints record."""
+    return dataclasses.asdict(cfg)
+
+
+def from_record(piece: type[Piece], record: dict[str, Any]) -> Piece:
+    """A configuration piece from its part of a recorded configuration (a checkpoint's),
+    keeping the keys the schema has: a record written by an older or newer perfrun loads."""
+    known = {f.name for f in dataclasses.fields(piece)}  # type: ignore[arg-type]
+    return piece(**{k: v for k, v in record.items() if k in known})
+
+
+def select(cfg: TrainConfig, dotted: str) -> Any:
+    """The value at a dotted key (``model.n_layer``) of a typed configuration."""
+    return _get(cfg, dotted)
+
+
+def _get(root: object, dotted: str) -> Any:
+    node: Any = root
     for part in dotted.split("."):
         node = getattr(node, part)
     return node
@@ -315,7 +357,7 @@ def _unknown_keys(node: Any, schema: Any, prefix: str = "") -> list[str]:
     return unknown
 
 
-def _check_batch_size(dl: Any) -> None:
+def _check_batch_size(dl: DataLoaderConfig) -> None:
     """batch_size is an int >= 1 or "auto"; the auto options must make sense."""
     b = dl.batch_size
     if isinstance(b, int) and not isinstance(b, bool):
@@ -339,7 +381,7 @@ def _check_batch_size(dl: Any) -> None:
         raise ConfigError(f"dataloader.memory_budget_mib={budget} must be a positive number of MiB, or null")
 
 
-def validate(cfg: Any) -> None:
+def validate(cfg: TrainConfig) -> None:
     """Check what the schema's types cannot; raise ConfigError with what, why and the fix."""
     _check_keys_and_choices(cfg)
     _check_minimums(cfg)
@@ -354,16 +396,7 @@ def validate(cfg: Any) -> None:
     _check_mfu_peak(str(cfg.mfu.peak))
 
 
-def _check_keys_and_choices(cfg: Any) -> None:
-    from omegaconf import OmegaConf
-
-    if OmegaConf.is_config(cfg):
-        unknown = _unknown_keys(cfg, OmegaConf.structured(TrainConfig))
-        if unknown:
-            raise ConfigError(
-                f"{', '.join(unknown)}: not a key perfrun knows; remove it "
-                "(perfrun train --cfg job lists the keys)"
-            )
+def _check_keys_and_choices(cfg: TrainConfig) -> None:
     for key, allowed in CHOICES.items():
         value = _get(cfg, key)
         if str(value) not in allowed:
@@ -384,7 +417,7 @@ _MINIMUMS = (  # key, lowest value, why (said in the error)
 )
 
 
-def _check_minimums(cfg: Any) -> None:
+def _check_minimums(cfg: TrainConfig) -> None:
     _check_batch_size(cfg.dataloader)
     for key, low, why in _MINIMUMS:
         value = _get(cfg, key)
@@ -392,7 +425,7 @@ def _check_minimums(cfg: Any) -> None:
             raise ConfigError(f"{key}={value} must be >= {low}{why}; set {key}={max(low, 1)} or more")
 
 
-def _check_dataloader(dl: Any) -> None:
+def _check_dataloader(dl: DataLoaderConfig) -> None:
     if dl.prefetch_factor is not None:
         if dl.num_workers == 0:
             raise ConfigError(
@@ -410,7 +443,7 @@ def _check_dataloader(dl: Any) -> None:
         )
 
 
-def _check_model_and_data(m: Any, data: Any) -> None:
+def _check_model_and_data(m: ModelConfig, data: DataConfig) -> None:
     if m.n_embd % m.n_head != 0:
         raise ConfigError(
             f"model.n_embd={m.n_embd} is not divisible by model.n_head={m.n_head}; "
@@ -440,7 +473,7 @@ def _check_model_and_data(m: Any, data: Any) -> None:
         )
 
 
-def _check_optim(o: Any) -> None:
+def _check_optim(o: OptimConfig) -> None:
     for key in ("lr", "min_lr_ratio", "weight_decay", "beta1", "beta2", "eps", "grad_clip"):
         value = getattr(o, key)
         if not math.isfinite(value) or value < 0:
@@ -463,7 +496,7 @@ def _check_mfu_peak(peak: str) -> None:
             )
 
 
-def check_distributed(cfg: Any, world: int | None = None) -> None:
+def check_distributed(cfg: TrainConfig, world: int | None = None) -> None:
     """distributed and nproc against how this process was started (torchrun sets the
     WORLD_SIZE and LOCAL_WORLD_SIZE environment variables; a plain process has neither).
     ``world``: the size of the torchrun this process is about to start instead."""

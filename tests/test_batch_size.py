@@ -101,8 +101,15 @@ def _train_losses(run_dir: Path) -> list[float]:
 
 def test_auto_on_cpu_respects_the_budget_and_leaves_the_run_untouched(tmp_path: Path) -> None:
     common = ["max_steps=4", "log_every=1", "timing_warmup_steps=1"]
-    auto = run(make_cfg(*common, "dataloader.batch_size=auto", "dataloader.memory_budget_mib=3"), tmp_path / "auto")
+    cfg = make_cfg(*common, "dataloader.batch_size=auto", "dataloader.memory_budget_mib=3")
+    auto = run(cfg, tmp_path / "auto")
     a = auto["batch_size_auto"]
+    # setup found the batch, the tokenizer and the vocabulary without writing them into the
+    # configuration: they are its own record, and the recorded config has them in place
+    assert (cfg.dataloader.batch_size, cfg.data.tokenizer, cfg.data.vocab_size) == ("auto", None, None)
+    assert auto["resolved"] == {"device": "cpu", "batch_size": a["batch_size"], "tokenizer": "byte", "vocab_size": 256,
+                                "vocab_size_padded": auto["vocab_size_padded"]}
+    assert auto["config"]["data"]["tokenizer"] == "byte" and auto["config"]["data"]["vocab_size"] == 256
     trials = {b: (ok, peak) for b, ok, peak in a["trials"]}
     assert a["stopped_by"] == "memory" and a["method"].startswith("live tensor bytes")
     assert trials[a["max_fit"]][0] and trials[a["max_fit"]][1] <= 3

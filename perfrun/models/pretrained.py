@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from perfrun.config import ConfigError, config_dir
+from perfrun.config import ConfigError, ModelConfig, config_dir
 from perfrun.console import first_line
 from perfrun.inference.hf_layout import perfrun_state_dict
 from perfrun.models.gpt import GPT
@@ -72,7 +72,7 @@ def _preset(shape: dict[str, int]) -> str | None:
     return None
 
 
-def check_shape(config: dict[str, Any], model: GPT, model_cfg: Any, shown: str) -> None:
+def check_shape(config: dict[str, Any], model: GPT, model_cfg: ModelConfig, shown: str) -> None:
     """The folder's shape must be the model group's; else one line with the overrides."""
     theirs = {ours: int(config.get(key, config.get("n_ctx", 0) if key == "n_positions" else 0))
               for ours, key in SHAPE.items()}
@@ -152,7 +152,7 @@ def _fit_vocab(sd: dict[str, torch.Tensor], rows: int, real: int, data_vocab: in
     sd["wte.weight"] = sd["lm_head.weight"] = wte
 
 
-def init_from(model: GPT, model_cfg: Any, data_vocab: int) -> GPT:
+def init_from(model: GPT, model_cfg: ModelConfig, data_vocab: int) -> GPT:
     """``model`` with the weights of ``model_cfg.init_from`` (unchanged when it is not set);
     anything that does not fit is a one-line ConfigError."""
     if not getattr(model_cfg, "init_from", None):
