@@ -106,7 +106,8 @@ def test_auto_on_cpu_respects_the_budget_and_leaves_the_run_untouched(tmp_path: 
     a = auto["batch_size_auto"]
     # setup found the batch, the tokenizer and the vocabulary without writing them into the
     # configuration: they are its own record, and the recorded config has them in place
-    assert (cfg.dataloader.batch_size, cfg.data.tokenizer, cfg.data.vocab_size) == ("auto", None, None)
+    assert cfg == make_cfg(*common, "dataloader.batch_size=auto", "dataloader.memory_budget_mib=3")
+    assert (cfg.dataloader.batch_size, cfg.data.vocab_size) == ("auto", None)
     assert auto["resolved"] == {"device": "cpu", "batch_size": a["batch_size"], "tokenizer": "byte", "vocab_size": 256,
                                 "vocab_size_padded": auto["vocab_size_padded"]}
     assert auto["config"]["data"]["tokenizer"] == "byte" and auto["config"]["data"]["vocab_size"] == 256
