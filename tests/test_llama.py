@@ -20,7 +20,7 @@ from perfrun.inference.loading import load_model
 from perfrun.inference.sampling import Sampler
 from perfrun.loop.run import run
 from perfrun.models.llama import Llama, LlamaConfig, rope_frequencies, swiglu_hidden
-from perfrun.models.pretrained import init_from
+from perfrun.models.pretrained import check_llama_shape, init_from
 from perfrun.models.schema import ModelConfig, RopeScalingConfig
 
 from conftest import losses, make_cfg
@@ -112,6 +112,36 @@ def test_presets_have_the_published_shapes(preset: str, shape: tuple, params: in
         model = Llama(LlamaConfig.from_model(m, 49152 if preset.startswith("smollm") else 128256))
     assert model.num_params(non_embedding=False) == params
     assert swiglu_hidden(4096, 1024, 1.3) == 14336  # Llama 3 8B's rule gives its intermediate_size
+
+
+# the model cards' config.json (transformers 4's keys: rope_theta and rope_scaling at the top)
+PUBLISHED = {
+    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                         num_key_value_heads=3, rope_theta=100000, rope_scaling=None, rms_norm_eps=1e-05,
+                         tie_word_embeddings=True, max_position_embeddings=8192, vocab_size=49152),
+    "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                         num_key_value_heads=8, head_dim=64, rope_theta=500000.0, rms_norm_eps=1e-05,
+                         rope_scaling={"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                                       "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+                         tie_word_embeddings=True, max_position_embeddings=131072, vocab_size=128256),
+    "llama-3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                       num_key_value_heads=8, rope_theta=500000.0, rope_scaling=None, rms_norm_eps=1e-05,
+                       tie_word_embeddings=False, max_position_embeddings=8192, vocab_size=128256),
+}
+
+
+@pytest.mark.parametrize("preset", sorted(PUBLISHED))
+def test_each_published_config_fits_its_preset_and_names_it_otherwise(preset: str) -> None:
+    config = {"model_type": "llama", "hidden_act": "silu", **PUBLISHED[preset]}
+    for name in PUBLISHED:
+        m = make_cfg(f"model={name}", tiny=False).model
+        with torch.device("meta"):
+            model = Llama(LlamaConfig.from_model(m, 128256))
+        if name == preset:
+            check_llama_shape(config, model, m, "FOLDER")
+        else:
+            with pytest.raises(ConfigError, match=f"use model={preset} \\(or model.n_layer="):
+                check_llama_shape(config, model, m, "FOLDER")
 
 
 def test_kv_cache_keeps_n_kv_head_heads_and_matches_the_full_forward() -> None:
