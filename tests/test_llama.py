@@ -6,6 +6,8 @@ its checkpoint, and one line for each bad input."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -77,6 +79,29 @@ def test_logits_equal_transformers_llama_from_its_own_folder(tmp_path: Path, tie
         diff = (ours(x)[0] - theirs(x).logits).abs().max().item()
     assert diff < 1e-4
     assert (ours.lm_head.weight is ours.wte.weight) == tied
+
+
+def test_a_folder_in_transformers_4s_keys_loads_the_same(tmp_path: Path) -> None:
+    """transformers before 5 kept theta as ``rope_theta`` and the scaling as ``rope_scaling``."""
+    folder = hf_folder(tmp_path / "v5", tied=True)
+    config = json.loads((folder / "config.json").read_text())
+    rope = config.pop("rope_parameters")
+    config["rope_theta"] = rope.pop("rope_theta")
+    config["rope_scaling"] = rope
+    old = tmp_path / "v4"
+    old.mkdir()
+    (old / "config.json").write_text(json.dumps(config))
+    shutil.copy(folder / "model.safetensors", old / "model.safetensors")
+    m = model_cfg(folder, tied=True)
+    new_style = init_from(Llama(LlamaConfig.from_model(m, 256)), m, 256).eval()
+    m.init_from = str(old)
+    old_style = init_from(Llama(LlamaConfig.from_model(m, 256)), m, 256).eval()
+    with torch.no_grad():
+        assert torch.equal(new_style(tokens())[0], old_style(tokens())[0])
+    config["rope_theta"] = 10000.0  # another theta is another model: refused, naming it
+    (old / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="rope_theta 10000.0 \\(here 500000.0\\)"):
+        init_from(Llama(LlamaConfig.from_model(m, 256)), m, 256)
 
 
 def test_llama3_frequency_scaling_equals_transformers_function() -> None:
