@@ -330,6 +330,23 @@ def test_n_head_not_divisible_by_n_kv_head_is_one_line_and_exit_2(tmp_path: Path
     assert not (tmp_path / "checkpoints").exists()
 
 
+def test_old_rotary_buffers_are_skipped_and_a_foreign_tensor_is_refused(tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    folder = hf_folder(tmp_path / "hf", tied=True)
+    m = model_cfg(folder, tied=True)
+    want = init_from(Llama(LlamaConfig.from_model(m, 256)), m, 256).state_dict()
+    weights = load_file(folder / "model.safetensors")
+    weights["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(4)  # as transformers < 4.31 saved it
+    save_file(weights, folder / "model.safetensors")
+    got = init_from(Llama(LlamaConfig.from_model(m, 256)), m, 256).state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    weights["model.layers.0.self_attn.q_proj.bias"] = torch.zeros(32)
+    save_file(weights, folder / "model.safetensors")
+    with pytest.raises(ConfigError, match="hold model.layers.0.self_attn.q_proj.bias, which perfrun's Llama has no"):
+        init_from(Llama(LlamaConfig.from_model(m, 256)), m, 256)
+
+
 @pytest.mark.parametrize(("overrides", "says"), [
     (["model.bias=true"], "is a Llama, which has no biases; set model.bias=false"),
     (["model=tiny", "model.n_kv_head=1"], "model.n_kv_head applies to family=llama"),
