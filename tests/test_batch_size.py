@@ -11,11 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from perfrun.config import ConfigError, validate
+from perfrun.config import ConfigError
 from perfrun.loop.auto_batch import LiveTensorMemory, NoBatchFits, search
 from perfrun.loop.run import run
 from perfrun.loop.setup import setup
 from perfrun.loop.step import TrainStep
+from perfrun.validate import validate
 
 from conftest import make_cfg
 

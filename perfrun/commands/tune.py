@@ -286,9 +286,10 @@ def _request(args: list[str], trial: Callable[[Candidate], TrialResult] | None) 
 
 def _preflight(trial: TrainTrial, space: Space) -> None:
     """Compose and check the first candidate, so a bad override is one line before any trial."""
-    from perfrun.config import ConfigError, validate
+    from perfrun.config import ConfigError
     from perfrun.console import composition_error
     from perfrun.devices import resolve_device
+    from perfrun.validate import validate
 
     first = Candidate(space.batch_sizes[0] if space.batch_sizes else space.start, space.checkpointing[0],
                       space.compile[0], space.num_workers[0])

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from perfrun import distributed
-from perfrun.config import ConfigError, TrainConfig, as_dict, validate
+from perfrun.config import ConfigError, TrainConfig, as_dict
 from perfrun.data import build_datasets, build_loader
 from perfrun.environment import device_name
 from perfrun.knobs import Plan, apply_knobs, fp8, fsdp
@@ -22,6 +22,7 @@ from perfrun.summary import RunSummary
 from perfrun.telemetry.mfu import mfu_dtype, resolve_peak
 from perfrun.telemetry.profiling import start_memory_history
 from perfrun.telemetry.step_metrics import Throughput
+from perfrun.validate import validate
 
 log = logging.getLogger("perfrun")
 
