@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from hydra.core.config_store import ConfigStore
 
 from perfrun import device_conditions as resolvers
-from perfrun.models.schema import ModelConfig
+from perfrun.model_schema import ModelConfig
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig

@@ -16,7 +16,7 @@ from perfrun.config import (
     TrainConfig,
     select,
 )
-from perfrun.models.schema import model_problem
+from perfrun.model_schema import model_problem
 
 
 def _check_batch_size(dl: DataLoaderConfig) -> None:

@@ -14,7 +14,7 @@ import torch
 from perfrun.config import ConfigError
 from perfrun.loop.auto_batch import LiveTensorMemory, NoBatchFits, search
 from perfrun.loop.run import run
-from perfrun.loop.setup import setup
+from perfrun.loop.setup import Resolved, setup
 from perfrun.loop.step import TrainStep
 from perfrun.validate import validate
 
@@ -143,10 +143,10 @@ def test_trials_take_the_trainers_step_and_give_back_the_schedule_and_loss_scale
     common = ["precision=fp16", "optim.warmup_steps=2", "data=synthetic", "data.vocab_size=64"]
     with ExitStack() as stack:
         auto = setup(make_cfg(*common, "dataloader.batch_size=auto", "dataloader.memory_budget_mib=64",
-                              "dataloader.max_batch_size=2"), stack)
+                              "dataloader.max_batch_size=2"), stack, Resolved())
         trials = auto.facts["batch_size_auto"]["trials"]
         assert [b for b, _, _ in trials] == [1, 2] and len(calls) == 2
-        fixed = setup(make_cfg(*common, "dataloader.batch_size=2"), stack)
+        fixed = setup(make_cfg(*common, "dataloader.batch_size=2"), stack, Resolved())
         assert auto.scheduler.state_dict() == fixed.scheduler.state_dict()
         assert auto.plan.state_dict() == fixed.plan.state_dict() and auto.plan.state_dict() is not None
         assert auto.optimizer.state_dict()["state"] == {}

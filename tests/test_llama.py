@@ -21,9 +21,9 @@ from perfrun.inference.generation import Generator, generate
 from perfrun.inference.loading import load_model
 from perfrun.inference.sampling import Sampler
 from perfrun.loop.run import run
+from perfrun.model_schema import ModelConfig, RopeScalingConfig
 from perfrun.models.llama import Llama, LlamaConfig, rope_frequencies, swiglu_hidden
 from perfrun.models.pretrained import check_llama_shape, init_from
-from perfrun.models.schema import ModelConfig, RopeScalingConfig
 from perfrun.validate import validate
 
 from conftest import losses, make_cfg
