@@ -168,15 +168,15 @@ def verdict_line(rec: dict[str, Any], base_mem: float | None) -> str:
     rel = rec.get("loss_rel_diff")
     loss = f"loss {rel:+.2%} ({rec.get('parity')})" if rel is not None else "loss parity n/a"
     if rec.get("baseline", "measured") != "measured":
-        tps = Spread(rec["n"], rec["tokens_per_s"], None, None).text() if rec["n"] < 2 else \
-            f"{rec['tokens_per_s']:,.0f} ±{rec['spread_pct']:.1f}%"
+        runs = "1 run" if rec["n"] < 2 else f"{rec['n']} runs, ±{rec['spread_pct']:.1f}%"
         if rec["measured_as"] == rec["reference"]:
             against = "the fastest uncontended entry"
         else:
             vs = Effect(rec["vs_reference"], rec["vs_reference_noise_pct"], rec["vs_reference_measurable"],
                         rec["vs_reference_single"])
             against = f"{vs.text()} the fastest uncontended entry ({rec['reference']})"
-        return (f"verdict: {rec['line']}  # {tps} tokens/s measured as {rec['measured_as']}, {against}; "
+        return (f"verdict: {rec['line']}  # {rec['tokens_per_s']:,.0f} tokens/s ({runs}) measured as "
+                f"{rec['measured_as']}, {against}; "
                 f"no speed-up over the naive trainer: {rec['baseline_why']}; rerun: {rec['rerun']}; "
                 f"peak memory {mem}, {loss}")
     if rec["measured_as"] == "naive":
