@@ -17,12 +17,23 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from itertools import pairwise
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from perfrun.report.noise import Effect, Spread, effect
+from perfrun.report.rows import Row
 
-if TYPE_CHECKING:
-    from perfrun.report.ladder import _Rungs
+
+class _Rungs(Protocol):
+    """What the verdict reads of a ladder's jobs (perfrun.report.ladder._Rungs)."""
+
+    by_rung: dict[str, list[Row]]
+    outliers: dict[str, float]
+    floor: float | None
+    device: str | None
+
+    def counted(self, rung: str) -> list[Row]: ...
+    def tps(self, rung: str) -> Spread: ...
+    def config(self, rung: str) -> dict[str, Any]: ...
 
 #: knobs that act on CUDA alone: a line to paste for another device leaves them out
 CUDA_ONLY = ("precision.tf32", "dataloader.pin_memory", "dataloader.device_input")
