@@ -6,9 +6,12 @@ Each job says where it stands in its configuration's ``ablation`` block (conf/ab
 ``rung``, ``kind`` = ladder | without | alternative | tradeoff | seed, ``step``, ``knob``,
 ``acts_on``, ``why``); the jobs of a rung are its repeats. A rung's figure is the median over
 its completed repeats that had the machine to themselves, with the min-max spread; a job
-marked contended (summary.json ``contention``) is shown but never counted, and a rung with no
-other job is not ranked. An effect whose ranges overlap is "no measurable effect (±x %)"
-(:mod:`perfrun.report.noise`). A rung whose knob cannot act on the device (``acts_on: cuda``
+marked contended (summary.json ``contention``) is shown but never counted, a repeat far off
+its rung's others is named as an outlier and not counted (:func:`perfrun.report.noise.outliers`),
+and a rung with no other job is not ranked. An effect whose ranges overlap is "no measurable
+effect (±x %)"; a rung run once is judged against the machine's noise measured in the same
+sweep (:meth:`_Rungs._machine_noise`; :mod:`perfrun.report.noise`). What to recommend from
+these figures is :mod:`perfrun.report.verdict`. A rung whose knob cannot act on the device (``acts_on: cuda``
 on a CPU) is "not applicable", with the reason, and is not measured.
 
 **Loss parity, calibrated.** Each job's loss is the mean train loss over the last
