@@ -58,7 +58,7 @@ def counted(runs: list[tuple[int, bool, str]]) -> list[int]:
     return [tps for i, tps in enumerate(quiet) if i not in out]
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(jobs=SWEEPS, flagged=st.sets(st.sampled_from(RUNGS), max_size=2))
 def test_the_verdict_follows_from_what_was_measured(jobs: dict[str, list[tuple[int, bool, str]]],
                                                       flagged: set[str]) -> None:

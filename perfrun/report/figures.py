@@ -38,8 +38,8 @@ def draw_apart(ax: Any, points: dict[str, list[tuple[float, float, str]]]) -> No
             continue
         ax.plot([x for x, _, _ in pts], [y for _, y, _ in pts], linestyle="none", markerfacecolor="none",
                 markersize=9, markeredgewidth=1.5, **APART[kind])
-        for x, y, job in pts:
-            ax.annotate(f"{job}: {kind}", (x, y), xytext=(4, 4), textcoords="offset points", fontsize=6,
+        for x, y, text in pts:
+            ax.annotate(text, (x, y), xytext=(4, 4), textcoords="offset points", fontsize=6,
                         color=APART[kind]["markeredgecolor"])
     if any(points.values()):
         ax.legend(fontsize=7)

@@ -108,7 +108,7 @@ class _Rungs:
             return pairs[rung].half_pct, (f"the widest spread of a rung's repeats ({rung}, {pairs[rung].n} jobs; "
                                           "fewer than two uncontended naive jobs)")
         return None, ("not measured: fewer than two uncontended jobs of any one configuration, so a single "
-                      "run's effect is unknown; run ablation.repeats=2 or more")
+                      "run's effect is unknown (ablation.repeats=2 or more on a quiet machine measures it)")
 
     def meta(self, rung: str) -> dict[str, Any]:
         return self.by_rung[rung][0].ablation

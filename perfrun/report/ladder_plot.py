@@ -57,11 +57,11 @@ def _jobs_apart(report: Report, a: dict[str, Any], x_of: dict[str, float]) -> di
             continue
         y = r.tokens_per_s if finite(r.tokens_per_s) else 0.0
         if r.status != "completed":
-            out["failed"].append((x_of[rung], y, r.job))
+            out["failed"].append((x_of[rung], y, f"{r.job}: {r.status}"))
         elif r.contended:
-            out["contended"].append((x_of[rung], y, r.job))
+            out["contended"].append((x_of[rung], y, f"{r.job}: contended"))
         elif r.job in outliers:
-            out["outlier"].append((x_of[rung], y, r.job))
+            out["outlier"].append((x_of[rung], y, f"{r.job}: outlier"))
     return out
 
 
@@ -86,6 +86,7 @@ def _waterfall(ax: Any, report: Report, a: dict[str, Any]) -> None:
                  "light blue: 1 run, effect unknown)" + (f"\nnot applicable here: {', '.join(skipped)}" if skipped else ""),
                  fontsize=8)
     ax.set_ylabel("tokens/s (median, min-max bars)")
+    ax.set_ylim(bottom=0)
 
 
 def _leave_one_out(ax: Any, a: dict[str, Any]) -> None:
@@ -106,7 +107,8 @@ def _leave_one_out(ax: Any, a: dict[str, Any]) -> None:
                                                               for e in rows),
             "light blue: 1 run, effect unknown": any(e["vs_below_measurable"] is None for e in rows)}
     unranked = [e["rung"] for e in a["leave_one_out"] if e["applicable"] and not finite(e["vs_below"])]
-    ax.set_title(f"leave-one-out: tokens/s against the top ({a['top']})\n({'; '.join(k for k, v in said.items() if v)})"
+    legend = "; ".join(k for k, v in said.items() if v)
+    ax.set_title(f"leave-one-out: tokens/s against the top ({a['top']})" + (f"\n({legend})" if legend else "")
                  + (f"\nnot ranked: {', '.join(unranked)}" if unranked else ""), fontsize=8)
 
 

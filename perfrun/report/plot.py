@@ -84,7 +84,10 @@ def _apart_points(rows: list[Row], x_of: Any) -> dict[str, list[tuple[float, flo
         if standing(r) or r.status == "skipped":
             continue
         y = r.tokens_per_s if finite(r.tokens_per_s) else 0.0
-        out["contended" if r.contended and r.status == "completed" else "failed"].append((x_of(r), y, r.job))
+        if r.contended and r.status == "completed":
+            out["contended"].append((x_of(r), y, f"{r.job}: contended"))
+        else:
+            out["failed"].append((x_of(r), y, f"{r.job}: {r.status}"))
     return out
 
 

@@ -171,8 +171,7 @@ def _has(config: dict[str, Any], rs: _Rungs, below: str, rung: str) -> bool:
 def verdict_line(rec: dict[str, Any], base_mem: float | None) -> str:
     """The sweep's last line: what to run, and what it bought."""
     if "measured_as" not in rec:
-        rerun = f"; the naive trainer: {rec['baseline_why']}, rerun: {rec['rerun']}" if rec.get("rerun") else ""
-        return f"verdict: {rec['line']} (defaults): {rec.get('why', '')}{rerun}"
+        return f"verdict: {rec['line']} (defaults): {rec.get('why', '')}"
     mem = f"{rec['peak_mem_mib']:,.0f} MiB" if rec.get("peak_mem_mib") is not None else "n/a"
     if base_mem and rec.get("peak_mem_mib") is not None:
         mem += f" ({rec['peak_mem_mib'] / base_mem:.2f}× the naive trainer's)"
