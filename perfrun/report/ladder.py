@@ -187,7 +187,12 @@ def _verdict(rs: _Rungs, rung: str, e: dict[str, Any], eff: Effect) -> str:
         if e["outliers"]:
             return f"not ranked: its only job(s) ({', '.join(e['outliers'])}) were outliers"
         return "not measured: no completed job"
-    return eff.text() if eff.ratio is not None else "the baseline"
+    if eff.ratio is not None:
+        return eff.text()
+    if rung == "naive":
+        return "the baseline"
+    under = "the top rung" if e["kind"] == "without" else "no rung below it"
+    return f"{under} was not measured: nothing to compare with"
 
 
 def _parity(entries: list[dict[str, Any]], seed_gap: float | None) -> tuple[float, str]:
