@@ -191,8 +191,8 @@ def _verdict(rs: _Rungs, rung: str, e: dict[str, Any], eff: Effect) -> str:
         return eff.text()
     if rung == "naive":
         return "the baseline"
-    under = "the top rung" if e["kind"] == "without" else "no rung below it"
-    return f"{under} was not measured: nothing to compare with"
+    return ("the top rung was not measured: nothing to compare with" if e["kind"] == "without"
+            else "no rung below it was measured: nothing to compare with")
 
 
 def _parity(entries: list[dict[str, Any]], seed_gap: float | None) -> tuple[float, str]:
