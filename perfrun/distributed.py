@@ -3,7 +3,7 @@ trainer needs, for a world of any size.
 
 A single process is rank 0 of a world of one, and every helper here is then a no-op, so
 the trainer calls them unconditionally. Under torchrun (``WORLD_SIZE`` > 1) the group is
-usually made by :func:`perfrun.commands.dispatch.train_main` before Hydra starts, so that rank 0 can
+usually made by :func:`perfrun.commands.train.train_main` before Hydra starts, so that rank 0 can
 hand every rank the same run dir; :func:`ensure_group` makes it otherwise.
 """
 

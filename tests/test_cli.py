@@ -166,6 +166,6 @@ def test_wheel_ships_the_config_and_runs_from_anywhere(tmp_path: Path) -> None:
                        env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "n_layer: 12" in r.stdout
-    where = subprocess.run([sys.executable, "-c", "import perfrun.commands.dispatch as c; print(c.config_dir())"], cwd=elsewhere,
+    where = subprocess.run([sys.executable, "-c", "import perfrun.commands.train as c; print(c.config_dir())"], cwd=elsewhere,
                            env=env, capture_output=True, text=True, timeout=60)
     assert where.stdout.strip().startswith(str(site))

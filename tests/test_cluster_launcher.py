@@ -19,7 +19,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 
-from perfrun.commands.dispatch import train_main
+from perfrun.commands.train import train_main
 from perfrun.config import config_dir, register_configs
 
 from conftest import REPO, TINY_MODEL, run_cli

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from perfrun.commands.dispatch import main as cli_main
-from perfrun.commands.dispatch import train_main
+from perfrun.commands.train import train_main
 from perfrun.config import ConfigError
 from perfrun.loop.run import run
 from perfrun.telemetry.loggers import Sinks, build_sinks, wandb_mode

@@ -18,8 +18,8 @@ import pytest
 from test_ladder import plant_ladder
 
 from perfrun import report
-from perfrun.commands.dispatch import train_main
 from perfrun.commands.report import main as report_main
+from perfrun.commands.train import train_main
 from perfrun.commands.tune import kept_logging
 from perfrun.report.columns import LADDER_COLUMNS, run_columns, shown
 from perfrun.report.render import sections

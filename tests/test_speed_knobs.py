@@ -222,11 +222,11 @@ def test_a_new_cuda_graph_generation_starts_before_each_steps_first_micro_batch(
     """With CUDA graphs the generation must turn before a step's micro-batches, never between
     them: the gradients the first micro-batch left must live until the optimizer reads them.
     The real loop runs with the hook compilation installs on CUDA, its marks recorded."""
-    import perfrun.loop.run as train_module
+    import perfrun.loop.setup as setup_module
 
     events: list[str] = []
     monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: events.append("generation"))
-    apply_knobs = train_module.apply_knobs
+    apply_knobs = setup_module.apply_knobs
 
     def with_graph_marks(cfg, device, model, stack):  # what compilation.apply adds on CUDA for these modes
         plan = apply_knobs(cfg, device, model, stack)
@@ -234,6 +234,6 @@ def test_a_new_cuda_graph_generation_starts_before_each_steps_first_micro_batch(
         model.register_forward_pre_hook(lambda *_: events.append("forward") if model.training else None)
         return plan
 
-    monkeypatch.setattr(train_module, "apply_knobs", with_graph_marks)
+    monkeypatch.setattr(setup_module, "apply_knobs", with_graph_marks)
     run(make_cfg(*COMMON, "max_steps=3", "accumulation.steps=2"), tmp_path)
     assert events == ["generation", "forward", "forward"] * 3

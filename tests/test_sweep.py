@@ -18,8 +18,8 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from perfrun import report
-from perfrun.commands.dispatch import train_main
 from perfrun.commands.report import main as report_main
+from perfrun.commands.train import train_main
 from perfrun.commands.tune import kept_logging
 from perfrun.config import config_dir, register_configs
 from perfrun.report.sweep_callback import failed_jobs

@@ -1,8 +1,6 @@
-"""``perfrun COMMAND ...``: dispatch to the Hydra trainer and the other commands.
+"""``perfrun COMMAND ...``: the usage, shell completion, and each command's ``main``,
+imported only when that command runs (so ``perfrun --help`` and a Tab import no torch).
 
-``perfrun train`` hands the rest of the command line to a real Hydra app, so ``-m``,
-``--cfg job``, ``--help``, ``--info`` and shell completion all work; what several
-processes need (torchrun, one run dir for every rank) is in :mod:`perfrun.commands.launch`.
 Hydra's completion script calls ``perfrun -sc query=bash`` with the whole line in
 COMP_LINE; the ``train`` word is removed from it here, since Hydra knows no subcommands,
 and the answer is composed without importing the trainer (no torch), so a Tab is quick.
@@ -10,29 +8,10 @@ and the answer is composed without importing the trainer (no torch), so a Tab is
 
 from __future__ import annotations
 
-import contextlib
-import importlib.util
-import json
-import logging
 import os
 import sys
-from pathlib import Path
-from typing import Any
 
-from perfrun.checkpoint.run_lock import undone_if_refused
-from perfrun.commands.launch import (
-    arg_value,
-    dir_overrides,
-    hydra_dirs,
-    join_rank_group,
-    launch_ranks,
-    quoted,
-    run_sweep_job_on_ranks,
-    validate_job,
-    world_size,
-)
-from perfrun.config import config_dir
-from perfrun.console import composition_error, error, first_line, stderr_console
+from perfrun.console import error
 
 COMMANDS = {
     "train": "train a GPT with the knobs you choose (a Hydra app: perfrun train --help)",
@@ -44,16 +23,9 @@ COMMANDS = {
     "prepare": "tokenise a corpus into train.bin/val.bin for data=memmap (a Hydra app: perfrun prepare --help)",
 }
 # The other commands: each module's main(argv) -> exit code, imported only when used.
-_MODULES = {"gpu-check": "perfrun.commands.gpu_check", "report": "perfrun.commands.report", "tune": "perfrun.commands.tune",
-            "generate": "perfrun.commands.generate", "export": "perfrun.commands.export", "prepare": "perfrun.prepare"}
+_MODULES = {name: f"perfrun.commands.{name.replace('-', '_')}" for name in COMMANDS}
 # the other commands that are Hydra apps: Tab completes their keys as it does train's
 HYDRA_COMMANDS = ("tune", "generate", "export", "prepare")
-_FAILED_JOBS: list[str] = []
-SEARCH_ROOT_ENV = "PERFRUN_RESUME_SEARCH_ROOT"  # handed to a sweep job's ranks
-PARALLEL = ("ddp", "fsdp")  # the distributed= values that run one process per GPU
-COMPLETION_FLAGS = ("-sc", "--shell-completion")
-
-log = logging.getLogger("perfrun")
 
 
 def _usage() -> str:
@@ -76,326 +48,6 @@ def _usage() -> str:
         "shell completion:  eval \"$(perfrun train -sc install=bash)\"",
     ]
     return "\n".join(lines)
-
-
-def _preflight(args: list[str]) -> tuple[str | None, Any]:
-    """Compose a single run's configuration before Hydra does, so that a wrong option,
-    key or type gets one line instead of Hydra's page. Flags (``-m``, ``--cfg``...) and
-    sweeps are left to Hydra, which reports those errors itself.
-
-    Returns (the problem or None, the composed configuration or None)."""
-    if any(a.startswith("-") for a in args):
-        return None, None
-    from hydra import compose, initialize_config_dir
-
-    from perfrun.config import ConfigError
-    from perfrun.telemetry.loggers import check
-
-    try:
-        with initialize_config_dir(config_dir=config_dir(), version_base="1.3", job_name="train"):
-            cfg = compose("train", overrides=args, return_hydra_config=True)
-            run_dir = str(cfg.hydra.run.dir)
-    except Exception as e:  # noqa: BLE001 - every composition error is the user's input
-        return composition_error(e), None
-    try:
-        check(cfg.logger)
-    except ConfigError as e:
-        return str(e), None
-    return _unwritable(Path(run_dir)), cfg
-
-
-def _logger_problem(args: list[str]) -> str | None:
-    """``logger=wandb`` (or a sweep over loggers) without its package: one line before any work."""
-    from perfrun.telemetry.loggers import missing_package
-
-    chosen = arg_value(args, "logger") or ""
-    return next((m for m in map(missing_package, chosen.split(",")) if m), None)
-
-
-def _multirun(args: list[str]) -> bool:
-    return any(a in ("-m", "--multirun") or a == "hydra.mode=MULTIRUN" for a in args)
-
-
-# hydra/launcher options that hydra-submitit-launcher provides (submitit_*) or that build on it
-SUBMITIT_LAUNCHERS = ("slurm", "slurm_local", "submitit_slurm", "submitit_local")
-
-
-def _launcher_problem(args: list[str]) -> str | None:
-    """``hydra/launcher=slurm`` without the plugin behind it, or a SLURM sweep where there
-    is no SLURM: one line, where Hydra would print a page or a traceback (the preflight
-    leaves ``-m`` to Hydra)."""
-    import shutil
-
-    chosen = [a.split("=", 1)[1] for a in args if a.lstrip("+").startswith("hydra/launcher=")]
-    if not chosen or chosen[-1] not in SUBMITIT_LAUNCHERS:
-        return None
-    name = chosen[-1]
-    try:
-        found = importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is not None
-    except ImportError:  # not even the hydra_plugins namespace: no Hydra plugin at all
-        found = False
-    if not found:
-        return (f"hydra/launcher={name} needs the Hydra plugin hydra-submitit-launcher (it hands each job to "
-                "SLURM, or to a local process, through submitit), which this Python lacks; "
-                "install it with pip install 'perfrun[slurm]'")
-    if _multirun(args) and name in ("slurm", "submitit_slurm") and shutil.which("srun") is None:
-        return (f"hydra/launcher={name} submits the sweep's jobs to SLURM, but there is no srun on this "
-                "machine's PATH (not a SLURM login node); run the sweep from one, or try it here first "
-                "with hydra/launcher=slurm_local")
-    return None
-
-
-def _failed_jobs(in_process: list[str], sweep_dir: str | None) -> list[str]:
-    """The sweep's failed jobs: those run in this process, or else those that the jobs'
-    summary.json files in the sweep dir tell of, which is where a launcher that runs each
-    job in another process (slurm, slurm_local) leaves them."""
-    if in_process or sweep_dir is None:
-        return in_process
-    from perfrun.report.sweep_callback import failed_jobs
-
-    return failed_jobs(Path(sweep_dir))
-
-
-def _unwritable(run_dir: Path) -> str | None:
-    """Check, without creating it, that the run dir can be made: its nearest existing
-    ancestor must be a folder we can write a file into."""
-    import tempfile
-
-    ancestor = run_dir.absolute()
-    while not ancestor.exists():
-        ancestor = ancestor.parent
-    if not ancestor.is_dir():
-        return f"hydra.run.dir={run_dir} cannot be created: {ancestor} is a file; choose another hydra.run.dir"
-    try:
-        with tempfile.TemporaryFile(dir=ancestor):
-            pass
-    except OSError as e:
-        return f"hydra.run.dir={run_dir} is not writable ({ancestor}: {e.strerror}); choose a writable hydra.run.dir"
-    return None
-
-
-def train_main(args: list[str]) -> int:
-    """Run the Hydra app with ``args`` as its command line; with ``distributed=ddp
-    nproc=N`` start torchrun instead, and under torchrun agree on the run dir first."""
-    if any(a in COMPLETION_FLAGS for a in args):
-        return _shell_completion(args)
-    if "--json" in args:
-        return _train_json([a for a in args if a != "--json"])
-    from perfrun.config import ConfigError, check_distributed, register_configs
-
-    register_configs()
-    problem = _launcher_problem(args) or _logger_problem(args)
-    if problem is not None:
-        error(problem)
-        return 2
-    problem, composed = _preflight(args)
-    if problem is not None:
-        error(problem)
-        return 2
-    world = world_size()
-    try:
-        distributed = composed.distributed if composed is not None else arg_value(args, "distributed")
-        nproc = composed.nproc if composed is not None else arg_value(args, "nproc")
-    except Exception as e:  # noqa: BLE001 - e.g. nproc=${hydra:launcher.gpus_per_node} outside a sweep job
-        error(f"distributed or nproc cannot be resolved here ({first_line(e, 10**6)}); ${{hydra:launcher...}} is known only in "
-               "the jobs of a sweep (perfrun train -m hydra/launcher=slurm ...): give a number")
-        return 2
-    several = world > 1 or (distributed in PARALLEL and str(nproc).isdigit() and int(nproc) > 1)
-    if composed is not None:
-        try:  # several processes: refuse a bad value once, here, rather than once per rank
-            if several:
-                validate_job(composed, int(nproc) if world == 1 else None)
-            else:
-                check_distributed(composed)
-        except ConfigError as e:
-            if os.environ.get("RANK", "0") == "0":
-                error(str(e))
-            return 2
-    if composed is not None and world == 1 and not _multirun(args):
-        try:  # resume=auto from a new run dir: into the run it continues, before any rank starts
-            redirect, run_dir = _continue_run(composed)
-        except ConfigError as e:
-            error(str(e))
-            return 2
-        with undone_if_refused(run_dir):  # a refused job leaves a run dir that holds a run as it was
-            return launch_ranks(args + redirect, int(nproc)) if several else _run_app(args + redirect)
-    if world == 1 and several and not _multirun(args):  # a sweep's jobs start their own torchrun
-        return launch_ranks(args, int(nproc))
-    if world > 1:
-        if distributed not in PARALLEL:
-            error(f"torchrun started {world} processes but distributed={distributed}; add distributed=ddp")
-            return 2
-        from perfrun import distributed as dist
-
-        try:
-            return _run_app(args + join_rank_group(args, composed))
-        finally:
-            dist.destroy()
-    return _run_app(args)
-
-
-def _continue_run(composed: Any) -> tuple[list[str], Path]:
-    """``resume=auto`` where the run dir holds no checkpoint (a new timestamped folder): the
-    ``hydra.run.dir`` of the run with this configuration under the outputs folder, so that
-    the job continues it and writes into it (no override when there is none); and the run
-    dir the job will write into."""
-    from omegaconf import OmegaConf
-
-    from perfrun.checkpoint.names import list_checkpoints
-    from perfrun.checkpoint.resume_search import RunSearch, find_run, job_config, search_root
-
-    run_dir = Path(str(composed.hydra.run.dir))
-    if composed.resume != "auto" or composed.checkpoint.dir:
-        return [], run_dir
-    root = search_root(str(OmegaConf.to_container(composed.hydra.run, resolve=False)["dir"]))
-    if root is None or list_checkpoints(run_dir / "checkpoints"):
-        return [], run_dir
-    found = find_run(RunSearch(root, job_config(composed), run_dir), int(composed.max_steps))
-    if found is None:
-        return [], run_dir
-    stderr_console().print(f"resume=auto: continuing the run in {found.run_dir} from step {found.step}", markup=False)
-    return [f"hydra.run.dir={quoted(str(found.run_dir))}"], found.run_dir
-
-
-def _search_root(args: list[str]) -> Path | None:
-    """Where ``resume=auto`` looks for the run a job continues: the fixed part of the run
-    dir's template (the sweep dir's, in a sweep), read before perfrun pins the folders."""
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-
-    from perfrun.checkpoint.resume_search import search_root
-
-    if os.environ.get(SEARCH_ROOT_ENV):  # a sweep job's ranks: the sweep's own
-        return Path(os.environ[SEARCH_ROOT_ENV])
-    try:
-        with initialize_config_dir(config_dir=config_dir(), version_base="1.3", job_name="train"):
-            hydra_cfg = compose("train", overrides=[a for a in args if a.startswith("hydra.")],
-                                return_hydra_config=True).hydra
-    except Exception:  # noqa: BLE001 - a bad hydra.* override: Hydra reports it itself
-        return None
-    node = hydra_cfg.sweep if _multirun(args) else hydra_cfg.run
-    return search_root(str(OmegaConf.to_container(node, resolve=False)["dir"]))
-
-
-def _train_json(args: list[str]) -> int:
-    """``perfrun train --json ...``: the log on stderr, then on stdout the run's summary.json
-    as one JSON object (a sweep: a list, one per job, in job order). The run dir is fixed
-    here, before the run, so that it is found again whatever launches the jobs."""
-    try:
-        run_dir, sweep_dir = hydra_dirs(args)
-    except Exception:  # noqa: BLE001 - the run reports what is wrong with the command line
-        run_dir = sweep_dir = None
-    pinned = args + (dir_overrides(run_dir, sweep_dir) if run_dir and sweep_dir else [])
-    with contextlib.redirect_stdout(sys.stderr):
-        code = train_main(pinned)
-    if run_dir is None or sweep_dir is None or os.environ.get("RANK", "0") != "0":
-        return code
-    from perfrun.summary import SUMMARY_FILE, read_summary
-
-    if _multirun(args):
-        files = sorted(Path(sweep_dir).rglob(SUMMARY_FILE),
-                       key=lambda p: [int(x) if x.isdigit() else x for x in p.relative_to(sweep_dir).parts])
-        print(json.dumps([read_summary(f) for f in files], indent=2))
-    elif (Path(run_dir) / SUMMARY_FILE).is_file():
-        print(json.dumps(read_summary(Path(run_dir)), indent=2))
-    return code
-
-
-def _contents(run_dir: Path) -> str:
-    return ", ".join(p.name + ("/" if p.is_dir() else "") for p in sorted(run_dir.iterdir())
-                     if not p.name.startswith("."))
-
-
-def _run_app(args: list[str]) -> int:
-    """The Hydra app, with ``args`` as its command line."""
-    import hydra
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-    from omegaconf import DictConfig
-
-    from perfrun.config import ConfigError, register_configs
-
-    register_configs()
-
-    @hydra.main(version_base="1.3", config_path=config_dir(), config_name="train")
-    def app(cfg: DictConfig) -> None:
-        # the trainer (and torch) is imported by a job, never by --help, --cfg or --info
-        from perfrun.loop.run import RunFailed, run
-        from perfrun.loop.stopping import Interrupted
-        from perfrun.telemetry.sinks import shown_path
-
-        hc = HydraConfig.get()
-        run_dir = Path(hc.runtime.output_dir)
-        overrides = list(hc.overrides.task)
-        try:
-            if cfg.distributed in PARALLEL and cfg.nproc > 1 and world_size() == 1:
-                code = run_sweep_job_on_ranks(cfg, overrides, run_dir)
-                if code in (130, 143):  # the ranks were stopped by a signal: so is the sweep
-                    raise SystemExit(code)
-                if code != 0:  # the ranks have printed why
-                    raise RunFailed(f"its {cfg.nproc} ranks exited with code {code}; see {run_dir / 'train.log'}")
-            else:
-                log.info(f"run dir {shown_path(run_dir)}")
-                try:
-                    run(cfg, run_dir, overrides=overrides, search_root=search_root)
-                finally:
-                    log.info(f"run dir {shown_path(run_dir)}: {_contents(run_dir)}")
-        except (ConfigError, RunFailed) as e:
-            error(str(e))
-            if hc.mode == RunMode.MULTIRUN:
-                _FAILED_JOBS.append(f"job {hc.job.num} ({' '.join(overrides)}): {e}")
-                return
-            raise SystemExit(2 if isinstance(e, ConfigError) else 1) from None
-        except Interrupted as e:
-            error(str(e))
-            raise SystemExit(e.exit_code) from None  # a stop request ends the sweep too
-
-    search_root = _search_root(args)
-    sweep_dir = None
-    if _multirun(args):  # resolved once, here, so that the sweep's jobs can be read back from it
-        try:
-            sweep_dir = hydra_dirs(args)[1]
-            args = [*args, f"hydra.sweep.dir={quoted(sweep_dir)}"]
-        except Exception:  # noqa: BLE001 - a bad hydra.* override: Hydra reports it just below
-            sweep_dir = None
-    saved, saved_env = sys.argv, os.environ.get(SEARCH_ROOT_ENV)
-    sys.argv = ["perfrun"] + args
-    if search_root is not None and _multirun(args):
-        os.environ[SEARCH_ROOT_ENV] = str(search_root)
-    _FAILED_JOBS.clear()
-    try:
-        app()
-    finally:
-        sys.argv = saved
-        if saved_env is None:
-            os.environ.pop(SEARCH_ROOT_ENV, None)
-    _FAILED_JOBS[:] = _failed_jobs(list(_FAILED_JOBS), sweep_dir)
-    if _FAILED_JOBS:
-        error(f"{len(_FAILED_JOBS)} job(s) of the sweep failed: " + "; ".join(_FAILED_JOBS))
-        return 1
-    return 0
-
-
-def _shell_completion(args: list[str]) -> int:
-    """Hydra's ``-sc install=bash`` or ``-sc query=bash``: Hydra composes the configuration
-    and answers before calling the app, so this app imports nothing of the trainer."""
-    import hydra
-
-    from perfrun.config import register_configs
-
-    register_configs()
-
-    @hydra.main(version_base="1.3", config_path=config_dir(), config_name="train")
-    def complete(cfg: Any) -> None:
-        raise SystemExit(f"perfrun: error: {' '.join(args)} is not a shell-completion command")
-
-    saved = sys.argv
-    sys.argv = ["perfrun"] + args
-    try:
-        complete()
-    finally:
-        sys.argv = saved
-    return 0
 
 
 def _complete_subcommand() -> int | None:
@@ -425,14 +77,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"perfrun {__version__}")
         return 0
     command, rest = argv[0], argv[1:]
-    if command in COMPLETION_FLAGS:
+    if command in ("-sc", "--shell-completion"):
         if any(a.startswith("query=") for a in rest):
             done = _complete_subcommand()
             if done is not None:
                 return done
-        return _shell_completion(argv)
-    if command == "train":
-        return train_main(rest)
+        from perfrun.commands.train import shell_completion
+
+        return shell_completion(argv)
     if command in _MODULES:
         import importlib
 

@@ -1,4 +1,5 @@
-"""One training job: setup, the parts of the loop, and the loop itself, read as a schedule.
+"""One training job from start to summary.json: locks, sinks, setup, the schedule, and a
+true status whatever happens.
 
 ``run`` -> ``setup`` (device, seed, data, model, knobs -> the plan, optimizer, loaders) ->
 ``build_loop`` (the train step, step metrics, guard, evaluator, checkpointer) -> the
@@ -15,7 +16,6 @@ import shlex
 import signal
 import time
 from contextlib import ExitStack
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,190 +24,28 @@ from omegaconf import OmegaConf
 
 from perfrun import distributed
 from perfrun.checkpoint.atomic import write_json
-from perfrun.checkpoint.checkpointer import Checkpointer, Parts, Start, checkpoint_folder
+from perfrun.checkpoint.checkpointer import Start
 from perfrun.checkpoint.files import CheckpointWriteError, check_writable
 from perfrun.checkpoint.resume_search import RunSearch, job_config
 from perfrun.checkpoint.run_lock import RunRecord, locked
-from perfrun.config import ConfigError, validate
+from perfrun.config import ConfigError
 from perfrun.console import first_line
-from perfrun.data import build_datasets, build_loader
 from perfrun.device_conditions import device_kind, rung_applies
-from perfrun.environment import device_name, environment, global_state, rank_info
-from perfrun.knobs import Plan, apply_knobs, fp8, fsdp
-from perfrun.loop.evaluation import Evaluator
-from perfrun.loop.optimizer import build_optimizer, build_scheduler
-from perfrun.loop.step import BatchStream, TrainStep
-from perfrun.loop.stopping import Diverged, GracefulStop, Interrupted, NonFiniteGuard
-from perfrun.models.gpt import GPT, GPTConfig, padded_vocab
-from perfrun.models.pretrained import init_from
+from perfrun.environment import environment, global_state, rank_info
+from perfrun.loop.schedule import Loop, build_loop, train_loop
+from perfrun.loop.setup import setup
+from perfrun.loop.stopping import GracefulStop, Interrupted
 from perfrun.summary import RunSummary
 from perfrun.telemetry import contention
 from perfrun.telemetry.loggers import build_sinks
-from perfrun.telemetry.mfu import mfu_dtype, resolve_peak
-from perfrun.telemetry.profiling import attach_profiler, dump_memory_snapshot, start_memory_history
+from perfrun.telemetry.profiling import attach_profiler, dump_memory_snapshot
 from perfrun.telemetry.sinks import ConsoleReporter, RecordSink, data_figure
-from perfrun.telemetry.step_metrics import MetricsConfig, StepMetrics, Throughput
 
 log = logging.getLogger("perfrun")
 
 
 class RunFailed(RuntimeError):
     """A run that stopped for a reason the user can act on (out of memory, ...)."""
-
-
-@dataclass
-class Setup:
-    """What setup built: the device, the plan the knobs made, the optimizer and the data."""
-
-    device: torch.device
-    plan: Plan
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    train_loader: torch.utils.data.DataLoader
-    val_loader: torch.utils.data.DataLoader
-    throughput: Throughput
-    facts: RunSummary  # the model, data, knobs and MFU peak, for summary.json
-
-
-def setup(cfg: Any, stack: ExitStack) -> Setup:
-    """Everything before the first step: validated config, data, model, knobs, optimizer."""
-    validate(cfg)
-    if not 0 <= cfg.seed < 2**32:
-        raise ConfigError(f"seed={cfg.seed} is outside what the random number generators take (0 to 2**32-1, numpy's "
-                          "limit); choose a seed in that range")
-    fsdp.check(cfg)
-    device = distributed.setup_device(cfg.device, cfg.distributed, stack)
-    fp8.check(cfg, device)  # refused before any data or model is built
-    rank, world = distributed.rank(), distributed.world_size()
-    snapshot = start_memory_history(cfg, device, stack)
-    distributed.seed_everything(cfg.seed)
-    seq_len = cfg.data.seq_len or cfg.model.block_size
-    data = build_datasets(cfg.data, seq_len, cfg.seed)
-    cfg.data.tokenizer, cfg.data.vocab_size = data.tokenizer, data.vocab_size  # what the ids are, recorded with the run
-    log.info(data.description)
-
-    m = cfg.model
-    gpt_config = GPTConfig(
-        vocab_size=padded_vocab(data.vocab_size), block_size=m.block_size, n_layer=m.n_layer,
-        n_head=m.n_head, n_embd=m.n_embd, dropout=m.dropout, bias=m.bias, attention=cfg.attention,
-    )
-    model = init_from(GPT(gpt_config), m, data.vocab_size).to(device)
-    plan = apply_knobs(cfg, device, model, stack)
-    optimizer, fused = build_optimizer(model, cfg.optim, device)
-    if world > 1:
-        distributed.seed_rank(cfg.seed, rank)
-    scheduler = build_scheduler(optimizer, cfg.optim, cfg.max_steps)
-    auto_batch = None
-    if cfg.dataloader.batch_size == "auto":  # the largest batch that fits, found before the loaders exist
-        from perfrun.loop.auto_batch import resolve_auto_batch
-
-        auto_batch = resolve_auto_batch(cfg, device, plan, optimizer, len(data.train), seq_len, data.vocab_size)
-        cfg.dataloader.batch_size = auto_batch["batch_size"]
-
-    train_loader = build_loader(data.train, cfg.dataloader, device_type=device.type, shuffle=True, seed=cfg.seed,
-                                rank=rank, world=world)
-    val_loader = build_loader(data.val, cfg.dataloader, device_type=device.type, shuffle=False, seed=cfg.seed,
-                              rank=rank, world=world)
-
-    peak = resolve_peak(str(cfg.mfu.peak), device, mfu_dtype(cfg.precision.dtype, device, cfg.precision.tf32))
-    tokens_per_step = cfg.dataloader.batch_size * seq_len * plan.micro_steps * world  # all ranks together
-    throughput = Throughput(tokens_per_step, model.flops_per_token(seq_len), peak.tflops, peak.source, world)
-    facts: RunSummary = {
-        "knobs": plan.notes, "fused_adamw": fused,
-        "params": model.num_params(non_embedding=False), "params_non_embedding": model.num_params(),
-        "vocab_size": data.vocab_size, "vocab_size_padded": gpt_config.vocab_size, "seq_len": seq_len,
-        "tokens_per_step": tokens_per_step, "flops_per_token": throughput.flops_per_token, **peak.facts(),
-        "data": data.description, "batch_size_auto": auto_batch, "memory_snapshot": snapshot,
-    }
-    log.info(
-        f"model {m.name}: {facts['params'] / 1e6:.2f}M parameters, seq_len {seq_len}, "
-        f"{tokens_per_step:,} tokens/step, device {device} ({device_name(device)})"
-        + (f", {world} ranks ({cfg.distributed.upper()}, {cfg.dataloader.batch_size * world} sequences per micro-step in all)"
-           if world > 1 else "")
-    )
-    log.info(peak.describe())
-    return Setup(device, plan, optimizer, scheduler, train_loader, val_loader, throughput, facts)
-
-
-@dataclass
-class Loop:
-    """The parts the loop calls, each deciding its own cadence."""
-
-    max_steps: int
-    train_step: TrainStep
-    metrics: StepMetrics
-    guard: NonFiniteGuard
-    evaluator: Evaluator
-    checkpointer: Checkpointer
-    stop: GracefulStop
-
-
-def build_loop(cfg: Any, built: Setup, run_dir: Path | None, sink: RecordSink, reporter: ConsoleReporter,
-               stop: GracefulStop, search: RunSearch | None = None) -> Loop:
-    """The loop's parts, from the config and what setup built; nothing starts yet."""
-    plan, device, optimizer, scheduler = built.plan, built.device, built.optimizer, built.scheduler
-    when = MetricsConfig(cfg.log_every, cfg.max_steps, cfg.monitor.every_n_steps, cfg.timing_warmup_steps)
-    # on CUDA: batches copied ahead, or drawn on the device
-    stream = BatchStream(built.train_loader, device, ahead=device.type == "cuda" and cfg.dataloader.device_input)
-    plan.notes["input"] = stream.input_path
-    metrics = StepMetrics(device, built.throughput, when, sink, reporter, lr=lambda: scheduler.get_last_lr()[0],
-                          loss_scale=plan.loss_scale, compiled=bool(cfg.compile),
-                          gpu_waits=stream.pop_gpu_wait_ms, handoffs_per_step=plan.micro_steps)
-    guard = NonFiniteGuard(device, cfg.guard.max_bad_steps, scaler_skips=plan.skips_nonfinite_steps)
-    checkpointer = Checkpointer(cfg.checkpoint, checkpoint_folder(cfg.checkpoint.dir, run_dir),
-                                Parts(plan, optimizer, scheduler, stream, metrics), guard, sink,
-                                config=_plain(cfg), seed=cfg.seed, max_steps=cfg.max_steps, search=search)
-    return Loop(
-        max_steps=cfg.max_steps,
-        train_step=TrainStep(plan, optimizer, scheduler, stream, metrics, clip=cfg.optim.grad_clip, device=device),
-        metrics=metrics, guard=guard, checkpointer=checkpointer, stop=stop,
-        evaluator=Evaluator(plan, built.val_loader, device, every=cfg.eval_every, batches=cfg.eval_batches,
-                            max_steps=cfg.max_steps),
-    )
-
-
-def train_loop(loop: Loop, start: Start) -> RunSummary:
-    """Run optimizer steps start.step+1 .. max_steps; return the figures for summary.json.
-
-    Ends early, with the figures so far, on a signal (``interrupted_by``) or when the
-    guard sees the run diverge (``failure``).
-    """
-    train_step, metrics, guard, evaluator = loop.train_step, loop.metrics, loop.guard, loop.evaluator
-    checkpointer, stop = loop.checkpointer, loop.stop
-    train_step.start(start.epoch, start.consumed)
-    metrics.start(start.step, start.tokens)
-    step, interrupted_by, failure = start.step, None, None
-    try:
-        for step in range(start.step + 1, loop.max_steps + 1):
-            loss, grad_norm, data_wait = train_step(step)
-            guard.record(step, loss, grad_norm)
-            metrics.record_step(step, loss, grad_norm, data_wait)
-            stopping = stop.agreed()  # every rank stops at the same step
-            if metrics.should_log(step) or stopping:
-                guard.flush()
-                metrics.log(step)
-            if metrics.should_sample(step):
-                metrics.sample(step)
-            if stopping:
-                interrupted_by = stop.stop_signal()
-                checkpointer.save(step)
-                break
-            checkpointer.maybe_save(step)
-            if evaluator.should_run(step):
-                with metrics.paused():
-                    metrics.log_eval(step, evaluator.run())
-        guard.flush()
-        if interrupted_by is None:
-            checkpointer.save_at_end(step)
-    except Diverged as e:
-        failure = checkpointer.with_last_good(str(e))
-
-    result = metrics.summary(step)
-    result.update(evaluator.summary())
-    result.update(checkpointer.summary())
-    result.update(data_position=train_step.stream.position(), guard=guard.summary(),
-                  interrupted_by=interrupted_by, failure=failure)
-    return result
 
 
 def run(cfg: Any, run_dir: Path | None, *, overrides: list[str] | None = None,
@@ -414,11 +252,6 @@ def _continue_hint(summary: RunSummary, run_dir: Path | None) -> str:
     if run_dir is not None:
         kept.append(f"hydra.run.dir={run_dir}")
     return " ".join(["perfrun", "train", *map(shlex.quote, kept), "resume=auto"])
-
-
-def _plain(cfg: Any) -> dict[str, Any]:
-    """The resolved config as plain containers: what a checkpoint records and compares."""
-    return OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(cfg)
 
 
 def _oom_message(cfg: Any, device: torch.device) -> str:

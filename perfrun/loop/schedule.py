@@ -1,0 +1,109 @@
+"""The loop as a schedule: its parts (the train step, step metrics, the NaN guard, the
+evaluator, the checkpointer) built from the config, then called in order; each part decides
+its own cadence, and the loop names no knob: what a knob changes, the plan carries."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from perfrun.checkpoint.checkpointer import Checkpointer, Parts, Start, checkpoint_folder
+from perfrun.checkpoint.resume_search import RunSearch
+from perfrun.loop.evaluation import Evaluator
+from perfrun.loop.setup import Setup
+from perfrun.loop.step import BatchStream, TrainStep
+from perfrun.loop.stopping import Diverged, GracefulStop, NonFiniteGuard
+from perfrun.summary import RunSummary
+from perfrun.telemetry.sinks import ConsoleReporter, RecordSink
+from perfrun.telemetry.step_metrics import MetricsConfig, StepMetrics
+
+log = logging.getLogger("perfrun")
+
+@dataclass
+class Loop:
+    """The parts the loop calls, each deciding its own cadence."""
+
+    max_steps: int
+    train_step: TrainStep
+    metrics: StepMetrics
+    guard: NonFiniteGuard
+    evaluator: Evaluator
+    checkpointer: Checkpointer
+    stop: GracefulStop
+
+
+def build_loop(cfg: Any, built: Setup, run_dir: Path | None, sink: RecordSink, reporter: ConsoleReporter,
+               stop: GracefulStop, search: RunSearch | None = None) -> Loop:
+    """The loop's parts, from the config and what setup built; nothing starts yet."""
+    plan, device, optimizer, scheduler = built.plan, built.device, built.optimizer, built.scheduler
+    when = MetricsConfig(cfg.log_every, cfg.max_steps, cfg.monitor.every_n_steps, cfg.timing_warmup_steps)
+    # on CUDA: batches copied ahead, or drawn on the device
+    stream = BatchStream(built.train_loader, device, ahead=device.type == "cuda" and cfg.dataloader.device_input)
+    plan.notes["input"] = stream.input_path
+    metrics = StepMetrics(device, built.throughput, when, sink, reporter, lr=lambda: scheduler.get_last_lr()[0],
+                          loss_scale=plan.loss_scale, compiled=bool(cfg.compile),
+                          gpu_waits=stream.pop_gpu_wait_ms, handoffs_per_step=plan.micro_steps)
+    guard = NonFiniteGuard(device, cfg.guard.max_bad_steps, scaler_skips=plan.skips_nonfinite_steps)
+    checkpointer = Checkpointer(cfg.checkpoint, checkpoint_folder(cfg.checkpoint.dir, run_dir),
+                                Parts(plan, optimizer, scheduler, stream, metrics), guard, sink,
+                                config=_plain(cfg), seed=cfg.seed, max_steps=cfg.max_steps, search=search)
+    return Loop(
+        max_steps=cfg.max_steps,
+        train_step=TrainStep(plan, optimizer, scheduler, stream, metrics, clip=cfg.optim.grad_clip, device=device),
+        metrics=metrics, guard=guard, checkpointer=checkpointer, stop=stop,
+        evaluator=Evaluator(plan, built.val_loader, device, every=cfg.eval_every, batches=cfg.eval_batches,
+                            max_steps=cfg.max_steps),
+    )
+
+
+def train_loop(loop: Loop, start: Start) -> RunSummary:
+    """Run optimizer steps start.step+1 .. max_steps; return the figures for summary.json.
+
+    Ends early, with the figures so far, on a signal (``interrupted_by``) or when the
+    guard sees the run diverge (``failure``).
+    """
+    train_step, metrics, guard, evaluator = loop.train_step, loop.metrics, loop.guard, loop.evaluator
+    checkpointer, stop = loop.checkpointer, loop.stop
+    train_step.start(start.epoch, start.consumed)
+    metrics.start(start.step, start.tokens)
+    step, interrupted_by, failure = start.step, None, None
+    try:
+        for step in range(start.step + 1, loop.max_steps + 1):
+            loss, grad_norm, data_wait = train_step(step)
+            guard.record(step, loss, grad_norm)
+            metrics.record_step(step, loss, grad_norm, data_wait)
+            stopping = stop.agreed()  # every rank stops at the same step
+            if metrics.should_log(step) or stopping:
+                guard.flush()
+                metrics.log(step)
+            if metrics.should_sample(step):
+                metrics.sample(step)
+            if stopping:
+                interrupted_by = stop.stop_signal()
+                checkpointer.save(step)
+                break
+            checkpointer.maybe_save(step)
+            if evaluator.should_run(step):
+                with metrics.paused():
+                    metrics.log_eval(step, evaluator.run())
+        guard.flush()
+        if interrupted_by is None:
+            checkpointer.save_at_end(step)
+    except Diverged as e:
+        failure = checkpointer.with_last_good(str(e))
+
+    result = metrics.summary(step)
+    result.update(evaluator.summary())
+    result.update(checkpointer.summary())
+    result.update(data_position=train_step.stream.position(), guard=guard.summary(),
+                  interrupted_by=interrupted_by, failure=failure)
+    return result
+
+
+def _plain(cfg: Any) -> dict[str, Any]:
+    """The resolved config as plain containers: what a checkpoint records and compares."""
+    return OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(cfg)

@@ -1,0 +1,94 @@
+"""Everything before the first step: the validated config, the device, the data, the model,
+the knobs (the plan), the optimizer and its schedule, the loaders and the MFU peak."""
+
+from __future__ import annotations
+
+import logging
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from perfrun import distributed
+from perfrun.config import ConfigError, validate
+from perfrun.data import build_datasets, build_loader
+from perfrun.environment import device_name
+from perfrun.knobs import Plan, apply_knobs, fp8, fsdp
+from perfrun.loop.optimizer import build_optimizer, build_scheduler
+from perfrun.models.build import build_model
+from perfrun.summary import RunSummary
+from perfrun.telemetry.mfu import mfu_dtype, resolve_peak
+from perfrun.telemetry.profiling import start_memory_history
+from perfrun.telemetry.step_metrics import Throughput
+
+log = logging.getLogger("perfrun")
+
+@dataclass
+class Setup:
+    """What setup built: the device, the plan the knobs made, the optimizer and the data."""
+
+    device: torch.device
+    plan: Plan
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    train_loader: torch.utils.data.DataLoader
+    val_loader: torch.utils.data.DataLoader
+    throughput: Throughput
+    facts: RunSummary  # the model, data, knobs and MFU peak, for summary.json
+
+
+def setup(cfg: Any, stack: ExitStack) -> Setup:
+    """Everything before the first step: validated config, data, model, knobs, optimizer."""
+    validate(cfg)
+    if not 0 <= cfg.seed < 2**32:
+        raise ConfigError(f"seed={cfg.seed} is outside what the random number generators take (0 to 2**32-1, numpy's "
+                          "limit); choose a seed in that range")
+    fsdp.check(cfg)
+    device = distributed.setup_device(cfg.device, cfg.distributed, stack)
+    fp8.check(cfg, device)  # refused before any data or model is built
+    rank, world = distributed.rank(), distributed.world_size()
+    snapshot = start_memory_history(cfg, device, stack)
+    distributed.seed_everything(cfg.seed)
+    seq_len = cfg.data.seq_len or cfg.model.block_size
+    data = build_datasets(cfg.data, seq_len, cfg.seed)
+    cfg.data.tokenizer, cfg.data.vocab_size = data.tokenizer, data.vocab_size  # what the ids are, recorded with the run
+    log.info(data.description)
+
+    m = cfg.model
+    model = build_model(m, data.vocab_size, cfg.attention).to(device)
+    plan = apply_knobs(cfg, device, model, stack)
+    optimizer, fused = build_optimizer(model, cfg.optim, device)
+    if world > 1:
+        distributed.seed_rank(cfg.seed, rank)
+    scheduler = build_scheduler(optimizer, cfg.optim, cfg.max_steps)
+    auto_batch = None
+    if cfg.dataloader.batch_size == "auto":  # the largest batch that fits, found before the loaders exist
+        from perfrun.loop.auto_batch import resolve_auto_batch
+
+        auto_batch = resolve_auto_batch(cfg, device, plan, optimizer, len(data.train), seq_len, data.vocab_size)
+        cfg.dataloader.batch_size = auto_batch["batch_size"]
+
+    train_loader = build_loader(data.train, cfg.dataloader, device_type=device.type, shuffle=True, seed=cfg.seed,
+                                rank=rank, world=world)
+    val_loader = build_loader(data.val, cfg.dataloader, device_type=device.type, shuffle=False, seed=cfg.seed,
+                              rank=rank, world=world)
+
+    peak = resolve_peak(str(cfg.mfu.peak), device, mfu_dtype(cfg.precision.dtype, device, cfg.precision.tf32))
+    tokens_per_step = cfg.dataloader.batch_size * seq_len * plan.micro_steps * world  # all ranks together
+    throughput = Throughput(tokens_per_step, model.flops_per_token(seq_len), peak.tflops, peak.source, world)
+    facts: RunSummary = {
+        "knobs": plan.notes, "fused_adamw": fused,
+        "params": model.num_params(non_embedding=False), "params_non_embedding": model.num_params(),
+        "vocab_size": data.vocab_size, "vocab_size_padded": model.config.vocab_size, "seq_len": seq_len,
+        "tokens_per_step": tokens_per_step, "flops_per_token": throughput.flops_per_token, **peak.facts(),
+        "data": data.description, "batch_size_auto": auto_batch, "memory_snapshot": snapshot,
+    }
+    log.info(
+        f"model {m.name}: {facts['params'] / 1e6:.2f}M parameters, seq_len {seq_len}, "
+        f"{tokens_per_step:,} tokens/step, device {device} ({device_name(device)})"
+        + (f", {world} ranks ({cfg.distributed.upper()}, {cfg.dataloader.batch_size * world} sequences per micro-step in all)"
+           if world > 1 else "")
+    )
+    log.info(peak.describe())
+    return Setup(device, plan, optimizer, scheduler, train_loader, val_loader, throughput, facts)
