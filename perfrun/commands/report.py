@@ -83,7 +83,7 @@ def main(argv: list[str]) -> int:
 def _write_files(args: argparse.Namespace, report: Report) -> list[Path]:
     """The plot and HTML page asked for, and for a single run its plot beside it (RUN_PNG)
     when no --plot names another place; returns the paths written."""
-    single = len(args.paths) == 1 and len(report.rows) == 1 and not report.ablations
+    single = len(args.paths) == 1 and len(report.rows) == 1
     plot = Path(args.plot) if args.plot else report.paths[report.rows[0].job] / RUN_PNG if single else None
     png = plot_or_warn(report) if plot is not None or args.html else None
     written = []

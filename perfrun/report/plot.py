@@ -48,16 +48,17 @@ def plot_png(report: Report) -> bytes | None:
 
 
 def figure(report: Report) -> Any:
-    """The figure of a report: the ladder where the jobs are one (:mod:`~perfrun.report.ladder_plot`),
-    a single run's loss and tokens/s over the steps (:mod:`~perfrun.report.run_plot`), else
-    tokens/s against each swept key. Raises ImportError without matplotlib."""
+    """The figure of a report: a single run's loss and tokens/s over the steps
+    (:mod:`~perfrun.report.run_plot`), the ladder where the jobs are one
+    (:mod:`~perfrun.report.ladder_plot`), else tokens/s against each swept key. Raises
+    ImportError without matplotlib."""
     from perfrun.report.ladder_plot import ladder_figure
     from perfrun.report.run_plot import run_figure
 
+    if len(report.rows) == 1:  # a run (a ladder's job too): what it did over its steps
+        return run_figure(report, report.rows[0])
     if report.ablations:
         return ladder_figure(report, report.ablations[0])
-    if len(report.rows) == 1:
-        return run_figure(report, report.rows[0])
     return sweep_figure(report)
 
 
