@@ -49,7 +49,7 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 from perfrun.config import config_dir, register_configs, typed  # noqa: E402
 from perfrun.console import first_line  # noqa: E402
 from perfrun.devices import resolve_device  # noqa: E402
-from perfrun.inference.int8 import torchao_available  # noqa: E402
+from perfrun.environment import torchao_available  # noqa: E402
 from perfrun.knobs import fp8  # noqa: E402
 from perfrun.knobs.compilation import CUDA_GRAPH_MODES  # noqa: E402
 from perfrun.loop.run import run  # noqa: E402

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from perfrun.config import DataLoaderConfig, validate
+from perfrun.config import DataLoaderConfig
 from perfrun.data import ResumableSampler, build_loader
 from perfrun.data.synthetic import SyntheticTokens
 from perfrun.knobs import Plan, compilation
@@ -20,6 +20,7 @@ from perfrun.loop.run import run
 from perfrun.loop.step import BatchStream
 from perfrun.models.gpt import GPT, GPTConfig
 from perfrun.models.losses import build
+from perfrun.validate import validate
 
 from conftest import TINY_MODEL, losses, make_cfg, run_cli
 

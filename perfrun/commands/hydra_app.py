@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import textwrap
 import typing
 from collections.abc import Callable
@@ -25,23 +24,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from perfrun.config import config_dir
-from perfrun.console import composition_error, error
+from perfrun.console import composition_error, error, hydra_quoted
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
 KINDS = {int: "an integer", float: "a number", bool: "a boolean (true or false)"}
 EXAMPLES = {int: "1", float: "0.5", bool: "true"}
-
-
-def hydra_quoted(text: str) -> str:
-    """``text`` as a single-quoted Hydra value that composes back to exactly ``text``:
-    backslashes before a quote, before ``${`` or at the end are doubled, quotes and ``${``
-    escaped (so nothing is read as an interpolation)."""
-    text = re.sub(r"(\\*)\$\{", lambda m: m.group(1) * 2 + "\\${", text)
-    text = re.sub(r"(\\*)'", lambda m: m.group(1) * 2 + "\\'", text)
-    text = re.sub(r"(\\+)$", lambda m: m.group(1) * 2, text)
-    return f"'{text}'"
 
 
 def schema_fields(schema: type, prefix: str = "") -> list[tuple[str, Any, dataclasses.Field]]:

@@ -76,7 +76,7 @@ def validate_job(cfg: TrainConfig, launching: int | None = None) -> None:
     of the torchrun of that many processes about to start."""
     from dataclasses import replace
 
-    from perfrun.config import check_distributed, validate
+    from perfrun.validate import check_distributed, validate
 
     if launching:
         check_distributed(cfg, world=launching)

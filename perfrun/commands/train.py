@@ -144,7 +144,8 @@ def train_main(args: list[str]) -> int:
         return shell_completion(args)
     if "--json" in args:
         return _train_json([a for a in args if a != "--json"])
-    from perfrun.config import ConfigError, check_distributed, register_configs
+    from perfrun.config import ConfigError, register_configs
+    from perfrun.validate import check_distributed
 
     args, given_root = take_search_root(args)
     register_configs()

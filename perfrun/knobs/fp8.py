@@ -33,7 +33,7 @@ import torch.nn as nn
 
 from perfrun.config import CHOICES, ConfigError, TrainConfig
 from perfrun.device_conditions import FP8_MIN_CAPABILITY
-from perfrun.inference.int8 import torchao_available
+from perfrun.environment import torchao_available
 
 log = logging.getLogger("perfrun")
 

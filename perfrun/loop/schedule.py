@@ -8,7 +8,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from perfrun.checkpoint.checkpointer import Checkpointer, Parts, Start, checkpoint_folder
+from perfrun.checkpoint.checkpointer import Checkpointer, Start, checkpoint_folder
 from perfrun.checkpoint.resume_search import RunSearch
 from perfrun.config import TrainConfig
 from perfrun.loop.evaluation import Evaluator
@@ -46,8 +46,10 @@ def build_loop(cfg: TrainConfig, built: Setup, run_dir: Path | None, sink: Recor
                           loss_scale=plan.loss_scale, compiled=bool(cfg.compile),
                           gpu_waits=stream.pop_gpu_wait_ms, handoffs_per_step=plan.micro_steps)
     guard = NonFiniteGuard(device, cfg.guard.max_bad_steps, scaler_skips=plan.skips_nonfinite_steps)
-    checkpointer = Checkpointer(cfg.checkpoint, checkpoint_folder(cfg.checkpoint.dir, run_dir),
-                                Parts(plan, optimizer, scheduler, stream, metrics), guard, sink,
+    parts = {"model": plan.raw_model, "optimizer": optimizer, "scheduler": scheduler, "scaler": plan, "data": stream,
+             "tokens": metrics}  # each saved under its name
+    checkpointer = Checkpointer(cfg.checkpoint, checkpoint_folder(cfg.checkpoint.dir, run_dir), parts, sink.write,
+                                sharded=plan.sharded_state, all_finite=guard.all_finite, paused=metrics.paused,
                                 config=built.resolved.config_record(cfg), seed=cfg.seed, max_steps=cfg.max_steps, search=search)
     return Loop(
         max_steps=cfg.max_steps,
@@ -66,8 +68,8 @@ def train_loop(loop: Loop, start: Start) -> RunSummary:
     """
     train_step, metrics, guard, evaluator = loop.train_step, loop.metrics, loop.guard, loop.evaluator
     checkpointer, stop = loop.checkpointer, loop.stop
-    train_step.start(start.epoch, start.consumed)
-    metrics.start(start.step, start.tokens)
+    train_step.start()
+    metrics.start(start.step)
     step, interrupted_by, failure = start.step, None, None
     try:
         for step in range(start.step + 1, loop.max_steps + 1):

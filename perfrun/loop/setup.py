@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from perfrun import distributed
-from perfrun.config import ConfigError, TrainConfig, as_dict, validate
+from perfrun.config import ConfigError, TrainConfig, as_dict
 from perfrun.data import build_datasets, build_loader
 from perfrun.environment import device_name
 from perfrun.knobs import Plan, apply_knobs, fp8, fsdp
@@ -22,6 +22,7 @@ from perfrun.summary import RunSummary
 from perfrun.telemetry.mfu import mfu_dtype, resolve_peak
 from perfrun.telemetry.profiling import start_memory_history
 from perfrun.telemetry.step_metrics import Throughput
+from perfrun.validate import validate
 
 log = logging.getLogger("perfrun")
 
@@ -105,8 +106,8 @@ def setup(cfg: TrainConfig, stack: ExitStack, resolved: Resolved) -> Setup:
     if cfg.dataloader.batch_size == "auto":  # the largest batch that fits, found before the loaders exist
         from perfrun.loop.auto_batch import resolve_auto_batch
 
-        auto_batch = resolve_auto_batch(cfg.dataloader, device, plan, optimizer, len(data.train), seq_len,
-                                        data.vocab_size)
+        auto_batch = resolve_auto_batch(cfg.dataloader, device, plan, optimizer, scheduler, len(data.train), seq_len,
+                                        data.vocab_size, clip=cfg.optim.grad_clip)
         resolved.batch_size = int(auto_batch["batch_size"])
     else:
         resolved.batch_size = int(cfg.dataloader.batch_size)
