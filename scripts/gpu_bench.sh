@@ -368,7 +368,7 @@ suite_smoke() {
   smoke_fsdp_rows
   smoke_row "profile=true memory_snapshot=true, tiny" profile 120 \
     "$R/smoke_profile knobs.profile.gpu.gpu_busy_pct file:profile/trace.json* file:profile/top_ops.txt file:*.pickle" \
-    "$PY" -m perfrun train $TINY_CUDA max_steps=16 profile=true profiler.start_step=5 memory_snapshot=true \
+    "$PY" -m perfrun train ${TINY_CUDA/max_steps=12/max_steps=16} profile=true profiler.start_step=5 memory_snapshot=true \
     hydra.run.dir="$R/smoke_profile"
   smoke_llama_rows
   smoke_estimate_rows
@@ -412,14 +412,15 @@ smoke_fsdp_rows() {  # FSDP2 through torchrun, one rank, every prefetch setting;
 }
 
 smoke_llama_rows() {
-  local why="not in this checkout (no conf/model/llama-tiny.yaml)" p
+  local why="not in this checkout (no conf/model/llama-tiny.yaml)" p base=${TINY_CUDA/model=tiny/model=llama-tiny}
+  base=${base/precision=bf16 /}
   for p in "bf16" "bf16 compile" "fp8 compile"; do
     local slug=${p// /_} over="precision=${p%% *}"
     [[ $p == *compile ]] && over+=" compile=true"
     if ! has_model llama-tiny; then smoke_table_row "model=llama-tiny $p" skipped "$why"; continue; fi
     smoke_row "model=llama-tiny $p" "llama_$slug" 150 \
       "$R/smoke_llama_$slug knobs.fp8.kept_in_bf16 tokens_per_s_median peak_mem_mib" \
-      "$PY" -m perfrun train $TINY_CUDA model=llama-tiny $over hydra.run.dir="$R/smoke_llama_$slug"
+      "$PY" -m perfrun train $base $over hydra.run.dir="$R/smoke_llama_$slug"
   done
 }
 

@@ -54,7 +54,7 @@ class JsonlSink:
 
 
 # rich's default (10 redraws a second) took 12 ms of CPU a second in its drawing thread, under the GIL
-# the step's Python waits for; 2 a second took 4 ms (scripts/bench_train.py's notes in BENCHMARKS.md)
+# the step's Python waits for; 2 a second took 4 ms (scripts/bench_side_threads.py, BENCHMARKS.md)
 PROGRESS_REFRESH_PER_S = 2
 TIME_FORMAT = "%H:%M:%S"  # every console line, Hydra's own included: "06:12:01 message"
 TIME_WIDTH = len("00:00:00 ")
