@@ -317,7 +317,9 @@ def show(name: str, r: dict[str, Any]) -> str:
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--pairs", type=int, default=10, help="pairs per configuration (6 or more for the sign test)")
+    ap.add_argument("--pairs", "--repeats", type=int, default=10,
+                    help="pairs per configuration (6 or more for the sign test); --repeats: its earlier name")
+    ap.add_argument("--no-baseline", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--configs", default="tiny-*",
@@ -328,6 +330,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--one", choices=("perfrun", "plain"), help=argparse.SUPPRESS)
     ap.add_argument("overrides", nargs="*", help="hydra overrides added to every configuration (e.g. device=cpu)")
     args = ap.parse_args(argv)
+    if args.no_baseline:
+        ap.error("--no-baseline is gone: every figure here is a ratio to the plain loop; "
+                 "time perfrun alone with perfrun train (summary.json: tokens_per_s_mean)")
     if args.steps <= args.warmup or args.pairs < 1 or args.threads < 1:
         ap.error("need --steps > --warmup, --pairs >= 1 and --threads >= 1")
     return args
