@@ -60,7 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hydra import compose, initialize_config_dir  # noqa: E402
 
-from perfrun.config import config_dir, register_configs  # noqa: E402
+from perfrun.config import config_dir, register_configs, typed  # noqa: E402
 from perfrun.data import build_datasets, build_loader  # noqa: E402
 from perfrun.devices import resolve_device  # noqa: E402
 from perfrun.distributed import seed_everything  # noqa: E402
@@ -131,9 +131,9 @@ def plain_loop(cfg: Any, warmup: int) -> dict[str, float]:
 def compose_cfg(steps: int, warmup: int, overrides: list[str]) -> Any:
     register_configs()
     with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
-        return compose("train", overrides=[f"max_steps={steps}", f"timing_warmup_steps={warmup}", "progress=off",
-                                           f"eval_every={steps}", "eval_batches=1", "checkpoint.at_end=false",
-                                           *overrides])
+        return typed(compose("train", overrides=[f"max_steps={steps}", f"timing_warmup_steps={warmup}",
+                                                 "progress=off", f"eval_every={steps}", "eval_batches=1",
+                                                 "checkpoint.at_end=false", *overrides]))
 
 
 def one_side(side: str, cfg: Any, warmup: int) -> dict[str, Any]:

@@ -23,7 +23,8 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from perfrun.config import config_dir, register_configs, validate
+from perfrun.config import config_dir, register_configs, typed
+from perfrun.validate import validate
 
 from conftest import REPO
 
@@ -128,7 +129,7 @@ def test_smoke_dry_run_runs_every_cuda_path_and_each_composes() -> None:
     register_configs()
     with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
         for line in trains:  # composes, and passes the checks perfrun makes before it builds anything
-            validate(compose("train", overrides=overrides(line)))
+            validate(typed(compose("train", overrides=overrides(line))))
 
 
 def test_smoke_writes_its_table_row_by_row_under_the_machine_and_versions(tmp_path: Path) -> None:
