@@ -15,7 +15,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "perfrun"
 # nothing but each other. A package imports its own modules, the ground floor and the packages named
 # here; any other arrow fails test_imports_follow_the_allowed_directions. An entry point (a
 # ``__main__`` module) is a command.
-GROUND = {"perfrun", "config", "console", "summary", "distributed", "devices", "device_conditions", "environment"}
+GROUND = {"perfrun", "config", "model_schema", "validate", "console", "summary", "distributed", "devices", "device_conditions",
+          "environment"}
 LIBRARY = {"loop", "knobs", "models", "data", "checkpoint", "telemetry", "inference", "report", "prepare", "tune",
            "gpucheck"}
 MAY_IMPORT: dict[str, set[str]] = {

@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from perfrun.tune.config import (
     TuneConfig,
@@ -51,6 +51,9 @@ from perfrun.tune.config import (
     register_tune_schema,
 )
 from perfrun.tune.search import Candidate, Space, TrialResult, TuneResult, search
+
+if TYPE_CHECKING:
+    from perfrun.config import TrainConfig
 
 SEARCHED = ("dataloader.batch_size", "checkpointing", "compile", "dataloader.num_workers")
 TRIAL_KEYS = ("max_steps", "timing_warmup_steps", "log_every", "eval_every", "eval_batches", "progress",
@@ -75,18 +78,19 @@ class TrainTrial:
                          *no_checkpoints]
         self.count = 0
 
-    def compose(self, candidate: Candidate) -> Any:
+    def compose(self, candidate: Candidate) -> TrainConfig:
+        """The trial's configuration, composed once and typed (ConfigError for a key perfrun lacks)."""
         from hydra import compose, initialize_config_dir
         from hydra.core.global_hydra import GlobalHydra
 
-        from perfrun.config import config_dir, register_configs
+        from perfrun.config import config_dir, register_configs, typed
 
         overrides = [*self.overrides, *candidate.overrides(), *self.settings]
         if GlobalHydra.instance().is_initialized():  # inside the tune's Hydra app, which searches conf/
-            return compose("train", overrides=overrides)
+            return typed(compose("train", overrides=overrides))
         register_configs()
         with initialize_config_dir(config_dir=config_dir(), version_base="1.3", job_name="tune"):
-            return compose("train", overrides=overrides)
+            return typed(compose("train", overrides=overrides))
 
     def __call__(self, candidate: Candidate) -> TrialResult:
         from perfrun.config import ConfigError
@@ -282,9 +286,10 @@ def _request(args: list[str], trial: Callable[[Candidate], TrialResult] | None) 
 
 def _preflight(trial: TrainTrial, space: Space) -> None:
     """Compose and check the first candidate, so a bad override is one line before any trial."""
-    from perfrun.config import ConfigError, validate
+    from perfrun.config import ConfigError
     from perfrun.console import composition_error
     from perfrun.devices import resolve_device
+    from perfrun.validate import validate
 
     first = Candidate(space.batch_sizes[0] if space.batch_sizes else space.start, space.checkpointing[0],
                       space.compile[0], space.num_workers[0])

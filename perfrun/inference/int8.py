@@ -134,11 +134,10 @@ class Int8Report:
 
 def val_dataset(config: dict[str, Any], block_size: int) -> Any:
     """The checkpoint's own val split, rebuilt from its config: text the model did not train on."""
-    from omegaconf import OmegaConf
-
+    from perfrun.config import DataConfig, from_record
     from perfrun.data import build_datasets
 
-    data_cfg = OmegaConf.create(config.get("data") or {})
+    data_cfg = from_record(DataConfig, config.get("data") or {})
     seq_len = (config.get("data") or {}).get("seq_len") or block_size
     return build_datasets(data_cfg, int(seq_len), int(config.get("seed", 0))).val
 

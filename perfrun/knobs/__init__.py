@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 
 from perfrun import distributed
+from perfrun.config import TrainConfig
 
 
 def _no_scaling() -> torch.amp.GradScaler:
@@ -81,7 +82,7 @@ class Plan:
             self.scaler.load_state_dict(state_dict)
 
 
-def apply_knobs(cfg: Any, device: torch.device, model: nn.Module, stack: ExitStack) -> Plan:
+def apply_knobs(cfg: TrainConfig, device: torch.device, model: nn.Module, stack: ExitStack) -> Plan:
     """Apply every knob in a fixed order: backends, precision, fp8 (on the plain model), the
     loss, activation checkpointing, ddp or fsdp, compile."""
     from perfrun.knobs import (

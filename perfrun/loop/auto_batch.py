@@ -56,7 +56,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from perfrun.config import ConfigError
+from perfrun.config import ConfigError, DataLoaderConfig
 from perfrun.knobs import Plan, compilation
 from perfrun.loop.step import TrainStep, Untimed
 
@@ -306,12 +306,12 @@ def _set_rng_state(device: torch.device, state: tuple[torch.Tensor, torch.Tensor
 
 
 def resolve_auto_batch(
-    cfg: Any, device: torch.device, plan: Plan, optimizer: torch.optim.Optimizer,
+    dl: DataLoaderConfig, device: torch.device, plan: Plan, optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler, train_sequences: int, seq_len: int, vocab_size: int,
+    clip: float,
 ) -> dict[str, Any]:
     """Find the batch for ``dataloader.batch_size=auto``; return what was chosen and how, for
     summary.json (``batch_size`` is the choice). The run then starts as if it had been given."""
-    dl = cfg.dataloader
     budget_mib = dl.memory_budget_mib
     if device.type != "cuda" and budget_mib is None:
         import psutil
@@ -326,7 +326,7 @@ def resolve_auto_batch(
     if dl.max_batch_size is not None and dl.max_batch_size < cap:
         cap, cap_source = int(dl.max_batch_size), "dataloader.max_batch_size"
     budget = None if budget_mib is None else int(budget_mib * MIB)
-    trial = StepTrial(plan, optimizer, scheduler, device, seq_len, vocab_size, budget, clip=float(cfg.optim.grad_clip))
+    trial = StepTrial(plan, optimizer, scheduler, device, seq_len, vocab_size, budget, clip=clip)
     rng, schedule, loss_scale = _rng_state(device), scheduler.state_dict(), plan.state_dict()
     t0 = time.perf_counter()
     try:
