@@ -86,6 +86,7 @@ class RunSummary(TypedDict, total=False):
     monitor: dict[str, Any]
     monitor_ranks: list[dict[str, Any]]
     monitor_job: dict[str, Any]
+    host_load: dict[str, Any]  # with the monitor off: the host CPU figures contention is judged by
     contention: dict[str, Any]  # did the job have the machine? telemetry.contention.assess
 
 

@@ -147,7 +147,8 @@ def test_a_contended_job_is_marked_and_never_counted(tmp_path: Path) -> None:
     assert rungs["compile"]["n"] == 2 and rungs["compile"]["contended"] == 1
     assert rungs["compile"]["tokens_per_s"] == pytest.approx(2975)  # 3000 and 2950, not the contended 3100
     assert r.ladders[0]["notes"] == ["1 of 36 jobs shared the machine and are not counted (jobs 18); the first: "
-                                       "planted neighbour"]
+                                       "planted neighbour",
+                                       "machine noise: ±3.0% from the naive trainer's 6 uncontended jobs (naive, naive_seed)"]
     text = report.render_text(r, width=260)
     assert "2 (+1 contended)" in text
     assert next(row for row in r.rows if row.contended).best is False

@@ -95,10 +95,10 @@ def run(cfg: TrainConfig, run_dir: Path | None, *, overrides: list[str] | None =
             with reporter:
                 summary.update(_train(cfg, loop, start, run_dir, snapshot=bool(built.facts["memory_snapshot"] and main),
                                       batch_size=resolved.batch_size))
-            if "monitor" in summary:  # did this job have the machine to itself?
-                summary["contention"] = contention.assess(summary["monitor"])
-                if main:
-                    contention.say(summary["contention"])
+            # did this job have the machine to itself? (the monitor's figures, else the host's at log points)
+            summary["contention"] = contention.assess(summary.get("monitor") or summary.get("host_load") or {})
+            if main:
+                contention.say(summary["contention"])
             if built.facts["memory_snapshot"] and main:
                 summary["memory_snapshot_path"] = dump_memory_snapshot(run_dir, "end of the job")
             del built, loop

@@ -53,6 +53,9 @@ class JsonlSink:
             self._f = None
 
 
+# rich's default (10 redraws a second) took 12 ms of CPU a second in its drawing thread, under the GIL
+# the step's Python waits for; 2 a second took 4 ms (scripts/bench_side_threads.py, BENCHMARKS.md)
+PROGRESS_REFRESH_PER_S = 2
 TIME_FORMAT = "%H:%M:%S"  # every console line, Hydra's own included: "06:12:01 message"
 TIME_WIDTH = len("00:00:00 ")
 
@@ -209,7 +212,7 @@ class ConsoleReporter:
             self._progress = Progress(
                 TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
                 TextColumn("{task.fields[live]}"), TimeElapsedColumn(), TimeRemainingColumn(),
-                console=self.console, transient=False,
+                console=self.console, transient=False, refresh_per_second=PROGRESS_REFRESH_PER_S,
             )
             self._progress.start()
             self._task = self._progress.add_task("train", total=self.max_steps, live="")
