@@ -11,9 +11,10 @@ import torch
 
 from perfrun.checkpoint import files as checkpoint
 from perfrun.commands.dispatch import main as cli_main
-from perfrun.inference import hf_layout, onnx_export
+from perfrun.inference import onnx_export
 from perfrun.inference.loading import load_model
 from perfrun.loop.run import run
+from perfrun.models import hf_layout
 from perfrun.models.gpt import GPT
 
 from conftest import REPO, make_cfg

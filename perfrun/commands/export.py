@@ -4,7 +4,7 @@ or measured as dynamic int8 against float (``format=int8-report``).
 
 A Hydra app over :class:`ExportConfig` (``perfrun export --help`` lists every key); the
 formats are written by :mod:`perfrun.inference.onnx_export`,
-:mod:`perfrun.inference.hf_layout` and :mod:`perfrun.inference.int8`.
+:mod:`perfrun.models.hf_layout` and :mod:`perfrun.inference.int8`.
 Needs: ``pip install 'perfrun[export]'`` (onnx, onnxscript, onnxruntime, safetensors), and
 ``perfrun[int8]`` (torchao) for the int8 report.
 """
@@ -20,9 +20,9 @@ from pathlib import Path
 from perfrun.commands.hydra_app import HydraCommand
 from perfrun.config import ConfigError
 from perfrun.console import error, stderr_console
-from perfrun.inference.hf_layout import export_safetensors
 from perfrun.inference.loading import load_model
 from perfrun.inference.onnx_export import DEFAULT_ATOL, OnnxMismatch, export_onnx
+from perfrun.models.hf_layout import export_safetensors
 
 FORMATS = ("onnx", "safetensors", "int8-report")
 

@@ -32,9 +32,9 @@ from omegaconf import OmegaConf
 
 from perfrun.config import ConfigError, config_dir
 from perfrun.console import first_line
-from perfrun.inference.hf_layout import llama_state_dict, perfrun_state_dict
 from perfrun.model_schema import ModelConfig
 from perfrun.models.gpt import GPT
+from perfrun.models.hf_layout import llama_state_dict, perfrun_state_dict
 from perfrun.models.llama import Llama
 
 SHAPE = {"n_layer": "n_layer", "n_head": "n_head", "n_embd": "n_embd", "block_size": "n_positions"}
