@@ -149,6 +149,12 @@ def train_main(args: list[str]) -> int:
     if problem is not None:
         error(problem)
         return 2
+    from perfrun.commands import sweep_jobs
+
+    problem = sweep_jobs.preflight(args) if _multirun(args) else sweep_jobs.preset_without_multirun(args)
+    if problem is not None:
+        error(problem)
+        return 2
     problem, composed = _preflight(args)
     if problem is not None:
         error(problem)
@@ -288,6 +294,8 @@ def _run_app(args: list[str]) -> int:
         hc = HydraConfig.get()
         run_dir = Path(hc.runtime.output_dir)
         overrides = list(hc.overrides.task)
+        if hc.mode == RunMode.MULTIRUN and _measured_before(cfg, run_dir, overrides, Path(hc.sweep.dir)):
+            return
         try:
             if cfg.distributed in PARALLEL and cfg.nproc > 1 and world_size() == 1:
                 code = run_sweep_job_on_ranks(cfg, overrides, run_dir)
@@ -324,8 +332,11 @@ def _run_app(args: list[str]) -> int:
     if search_root is not None and _multirun(args):
         os.environ[SEARCH_ROOT_ENV] = str(search_root)
     _FAILED_JOBS.clear()
+    from perfrun.commands.sweep_jobs import stops_cleanly
+
     try:
-        app()
+        with stops_cleanly(sweep_dir):
+            app()
     finally:
         sys.argv = saved
         if saved_env is None:
@@ -335,6 +346,25 @@ def _run_app(args: list[str]) -> int:
         error(f"{len(_FAILED_JOBS)} job(s) of the sweep failed: " + "; ".join(_FAILED_JOBS))
         return 1
     return 0
+
+
+def _measured_before(cfg: Any, run_dir: Path, overrides: list[str], sweep_dir: Path) -> bool:
+    """A sweep job: with ``resume=auto``, True (and a log line) when the sweep dir already
+    holds it measured; otherwise False, with the time budget the sweep's calibration gives
+    its rung kind put into ``ablation.budget_s`` (unless the command line set one)."""
+    from perfrun.commands.sweep_jobs import already_measured
+    from perfrun.report.sweep_plan import budget_for
+
+    if cfg.resume == "auto":
+        status = already_measured(run_dir, overrides)
+        if status is not None:
+            log.info(f"resume=auto: job {run_dir.name} is already {status} in {run_dir}; kept, not run again")
+            return True
+    planned = budget_for(sweep_dir, cfg) if cfg.ablation.budget_s is None else None
+    if planned is not None:
+        cfg.ablation.budget_s = planned[0]
+        log.info(f"rung {cfg.ablation.rung or '?'}: measured within a {planned[0]:g} s budget ({planned[1]})")
+    return False
 
 
 def shell_completion(args: list[str]) -> int:
