@@ -52,6 +52,9 @@ def main(argv: list[str]) -> int:
         if not 0 < args.loss_window <= 1:
             raise ReportError(f"--loss-window {args.loss_window} must be in (0, 1], e.g. 0.2 for the last 20%")
         report = load(args.paths, loss_window=args.loss_window)
+        if report.rows and all(r.status == "unreadable" for r in report.rows):
+            raise ReportError("; ".join(f"{r.job}: {r.reason}" for r in report.rows)
+                              + ": nothing to report; give a run or sweep dir whose summary.json is intact")
         png = None
         if args.plot or args.html:
             png = plot_or_warn(report)
@@ -73,4 +76,16 @@ def main(argv: list[str]) -> int:
         sys.stdout.write(to_markdown(report))
     else:
         print_report(report)
+        _resume_hints(args.paths)
     return 0
+
+
+def _resume_hints(paths: list[str]) -> None:
+    """A stopped sweep: the one command that runs the jobs it did not finish."""
+    from perfrun.report.sweep_callback import resume_command, unfinished
+
+    for given in paths:
+        left = unfinished(Path(given))
+        command = resume_command(Path(given)) if left else None
+        if command:
+            print(f"{given}: job(s) {', '.join(left)} did not finish; to run what is missing: {command}")
