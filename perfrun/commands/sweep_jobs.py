@@ -32,6 +32,25 @@ def preset_without_multirun(args: list[str]) -> str | None:
             + " ".join(a for a in args if a != preset)).rstrip()
 
 
+def override_grammar(args: list[str]) -> str | None:
+    """An override Hydra's grammar cannot read (a quote, a space, a non-ASCII letter, a
+    stray bracket): one line naming it and how to write it, not the lexer's name for it."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    for arg in (a for a in args if not a.startswith("-")):
+        try:
+            OverridesParser.create().parse_overrides([arg])
+        except OverrideParseException:
+            key = arg.split("=", 1)[0]
+            return (f"{arg}: the override grammar cannot read this value (it refuses quotes, spaces, non-ASCII "
+                    f"letters and characters such as [ ] = : outside a quoted string); quote it as {key}='\"...\"' "
+                    "or choose a plain name (letters, digits, - _ . /)")
+        except Exception:  # noqa: BLE001 - anything else about the override: the composition reports it
+            return None
+    return None
+
+
 def preflight(args: list[str]) -> str | None:
     """Compose the sweep's first job before Hydra does (and check every ``+ablation=`` rung
     name), so that a wrong rung, key or type is one line instead of Hydra's page."""

@@ -9,6 +9,7 @@ and the answer is composed without importing the trainer (no torch), so a Tab is
 from __future__ import annotations
 
 import contextlib
+import errno
 import importlib.util
 import json
 import logging
@@ -36,6 +37,7 @@ _FAILED_JOBS: list[str] = []
 SEARCH_ROOT_ENV = "PERFRUN_RESUME_SEARCH_ROOT"  # handed to a sweep job's ranks
 PARALLEL = ("ddp", "fsdp")  # the distributed= values that run one process per GPU
 COMPLETION_FLAGS = ("-sc", "--shell-completion")
+CONFIG_ROOM = 64 * 1024  # bytes a run dir must take before the job starts: Hydra's .hydra/*.yaml and more
 
 log = logging.getLogger("perfrun")
 
@@ -117,20 +119,40 @@ def _failed_jobs(in_process: list[str], sweep_dir: str | None) -> list[str]:
     return failed_jobs(Path(sweep_dir))
 
 
+def _exists(path: Path) -> bool:
+    try:
+        return path.exists()
+    except OSError:  # a name longer than the filesystem takes: it does not exist
+        return False
+
+
 def _unwritable(run_dir: Path) -> str | None:
     """Check, without creating it, that the run dir can be made: its nearest existing
     ancestor must be a folder we can write a file into."""
     import tempfile
 
     ancestor = run_dir.absolute()
-    while not ancestor.exists():
+    while not _exists(ancestor):
         ancestor = ancestor.parent
     if not ancestor.is_dir():
         return f"hydra.run.dir={run_dir} cannot be created: {ancestor} is a file; choose another hydra.run.dir"
     try:
-        with tempfile.TemporaryFile(dir=ancestor):
-            pass
+        name_max = os.pathconf(ancestor, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        name_max = 255
+    long = next((p for p in run_dir.parts if len(os.fsencode(p)) > name_max), None)
+    if long is not None:
+        return (f"hydra.run.dir: the folder name {long[:24]}... is {len(os.fsencode(long))} bytes, more than the "
+                f"{name_max} this filesystem allows in a name; choose a shorter hydra.run.dir")
+    try:
+        with tempfile.TemporaryFile(dir=ancestor) as f:
+            f.write(bytes(CONFIG_ROOM))  # room for the configuration Hydra saves before the job starts
+            f.flush()
+            os.fsync(f.fileno())
     except OSError as e:
+        if e.errno == errno.ENOSPC:
+            return (f"hydra.run.dir={run_dir}: the disk of {ancestor} is full (not even {CONFIG_ROOM // 1024} KiB free "
+                    "for the run's configuration); free space there or choose a hydra.run.dir on another disk")
         return f"hydra.run.dir={run_dir} is not writable ({ancestor}: {e.strerror}); choose a writable hydra.run.dir"
     return None
 
@@ -151,7 +173,8 @@ def train_main(args: list[str]) -> int:
         return 2
     from perfrun.commands import sweep_jobs
 
-    problem = sweep_jobs.preflight(args) if _multirun(args) else sweep_jobs.preset_without_multirun(args)
+    problem = sweep_jobs.override_grammar(args) or (
+        sweep_jobs.preflight(args) if _multirun(args) else sweep_jobs.preset_without_multirun(args))
     if problem is not None:
         error(problem)
         return 2

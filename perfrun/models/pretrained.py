@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
+from perfrun.checkpoint.safe_loading import load_pt
 from perfrun.config import ConfigError, config_dir
 from perfrun.console import first_line
 from perfrun.inference.hf_layout import perfrun_state_dict
@@ -56,11 +57,32 @@ def read_config(folder: Path, shown: str) -> dict[str, Any]:
     if kind != "gpt2":
         raise ConfigError(f"{shown} holds a model_type={kind} checkpoint; perfrun's GPT is GPT-2's architecture, so "
                           "model.init_from takes GPT-2 folders (model_type gpt2)")
+    check_field_types(config, folder / "config.json")
     act, eps, inner = config.get("activation_function", "gelu_new"), config.get("layer_norm_epsilon", 1e-5), config.get("n_inner")
     if act not in ACTIVATIONS or abs(float(eps) - 1e-5) > 1e-12 or inner not in (None, 4 * int(config.get("n_embd", 0))):
         raise ConfigError(f"{shown} is a GPT-2 variant (activation {act}, layer_norm_epsilon {eps}, n_inner {inner}) that "
                           "perfrun's GPT does not compute (gelu_new, 1e-05, 4 x n_embd)")
     return config
+
+
+# config.json fields perfrun reads, and the type each must have (None: may be null)
+FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    "n_layer": (int,), "n_head": (int,), "n_embd": (int,), "n_positions": (int,), "n_ctx": (int,),
+    "vocab_size": (int,), "n_inner": (int, type(None)), "perfrun_real_vocab_size": (int, type(None)),
+    "layer_norm_epsilon": (int, float), "activation_function": (str,),
+}
+
+
+def check_field_types(config: dict[str, Any], file: Path) -> None:
+    """Each field perfrun reads has its JSON type (a whole number is no string or bool):
+    otherwise one line naming the file, the field and its value."""
+    for key, types in FIELD_TYPES.items():
+        value = config.get(key)
+        if key in config and (isinstance(value, bool) or not isinstance(value, types)):
+            wanted = " or ".join("null" if t is type(None) else {"int": "a whole number", "float": "a number",
+                                                                 "str": "a string"}[t.__name__] for t in types)
+            raise ConfigError(f"{file}: field {key} is {json.dumps(value)}, not {wanted}; correct it in that file "
+                              "(or export the model again)")
 
 
 def _preset(shape: dict[str, int]) -> str | None:
@@ -106,7 +128,7 @@ def read_weights(folder: Path, shown: str) -> dict[str, torch.Tensor]:
             return weights
         legacy = folder / "pytorch_model.bin"
         if legacy.is_file():
-            loaded = torch.load(legacy, map_location="cpu", weights_only=True)
+            loaded = load_pt(legacy)  # a plain pickle: one line, "pickled code"
             if not isinstance(loaded, dict):
                 raise ConfigError(f"{shown}: pytorch_model.bin holds a {type(loaded).__name__}, not a state dict of tensors")
             return loaded
