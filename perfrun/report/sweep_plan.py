@@ -136,11 +136,11 @@ def make_plan(config: DictConfig, jobs: list[list[str]]) -> Plan:
     for kind, cfg in first_of.items():
         log.info(f"sweep: calibrating {kind} ({CALIBRATION_STEPS} steps of rung {cfg.ablation.rung})")
         plan.timings[kind] = _calibrate(cfg)
-    _budget(plan, config)
+    set_budgets(plan, config)
     return plan
 
 
-def _budget(plan: Plan, config: DictConfig) -> None:
+def set_budgets(plan: Plan, config: Any) -> None:
     """Slow kinds: a budget of the naive trainer's training time; over ``ablation.target_s``:
     one budget for every kind, the largest that fits. ``ablation.budget_s`` given: none here."""
     if OmegaConf.select(config, "ablation.budget_s") is not None:
