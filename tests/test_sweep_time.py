@@ -28,8 +28,12 @@ def test_a_budget_stops_the_job_after_warmup_and_enough_steady_steps(tmp_path: P
     assert s["tokens_per_s_median"] > 0
     written = json.loads((tmp_path / "budget" / "summary.json").read_text())
     assert written["budget"]["stopped_at_step"] == 12
-    full = run(make_cfg("max_steps=14"), tmp_path / "full")
+    full = run(make_cfg("max_steps=14", "log_every=4", "timing_warmup_steps=5"), tmp_path / "full")
     assert full["steps"] == 14 and "budget" not in full  # no budget: the full step count
+    rows = [json.loads(line) for line in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
+    windows = [(r["step"], r["steady_steps_in_interval"]) for r in rows if r.get("kind") == "train"]
+    assert windows == [(4, 0), (8, 3), (12, 4), (14, 2)]  # the progress figure leaves out the median's warm-up
+    assert [r["steady_tokens_per_s"] is None for r in rows if r.get("kind") == "train"] == [True, False, False, False]
 
 
 def _plan(naive_step: float, bf16_step: float) -> sweep_plan.Plan:
