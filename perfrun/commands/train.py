@@ -62,6 +62,9 @@ def _preflight(args: list[str]) -> tuple[str | None, Any]:
         return composition_error(e), None
     try:
         check(cfg.logger)
+        from perfrun.loop.bounds import check_bounds
+
+        check_bounds(cfg)
     except ConfigError as e:
         return str(e), None
     return _unwritable(Path(run_dir)), cfg

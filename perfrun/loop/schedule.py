@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 
 from perfrun.checkpoint.checkpointer import Checkpointer, Parts, Start, checkpoint_folder
 from perfrun.checkpoint.resume_search import RunSearch
+from perfrun.loop.bounds import check_bounds
 from perfrun.loop.budget import TimeBudget
 from perfrun.loop.evaluation import Evaluator
 from perfrun.loop.setup import Setup
@@ -41,6 +42,7 @@ class Loop:
 def build_loop(cfg: Any, built: Setup, run_dir: Path | None, sink: RecordSink, reporter: ConsoleReporter,
                stop: GracefulStop, search: RunSearch | None = None) -> Loop:
     """The loop's parts, from the config and what setup built; nothing starts yet."""
+    check_bounds(cfg)
     plan, device, optimizer, scheduler = built.plan, built.device, built.optimizer, built.scheduler
     when = MetricsConfig(cfg.log_every, cfg.max_steps, cfg.monitor.every_n_steps, cfg.timing_warmup_steps)
     # on CUDA: batches copied ahead, or drawn on the device

@@ -116,7 +116,7 @@ def _estimate(config: DictConfig) -> Any:
     from perfrun.report import sweep_plan
 
     jobs = sweep_plan.sweep_jobs(config)
-    if not (sweep_plan.is_ladder(jobs) and OmegaConf.select(config, "ablation.calibrate")):
+    if not sweep_plan.is_ladder(jobs):
         return sweep_plan.Eta(len(jobs), None)
     t0 = time.perf_counter()
     try:
@@ -136,6 +136,12 @@ def _estimate(config: DictConfig) -> Any:
     out.print(f"sweep: {len(jobs)} jobs ({data['skipped_jobs']} not applicable here), estimated "
               f"{sweep_plan.duration(data['estimate_s'])} on this machine from a calibration of "
               f"{len(plan.timings)} rung kind(s) ({sweep_dir / sweep_plan.ESTIMATE_FILE})", markup=False)
+    target = OmegaConf.select(config, "ablation.target_s")
+    if target is not None and data["estimate_s"] + data["calibration_s"] > target:
+        out.print(f"sweep: even with the shortest measurements (10 steady steps a job) the ladder needs about "
+                  f"{sweep_plan.duration(data['estimate_s'] + data['calibration_s'])}, more than "
+                  f"ablation.target_s={target:g} (setup and compilation are not shortened); lower ablation.repeats "
+                  "or run part of it (+ablation=naive,bf16,...)", markup=False)
     for kind, budget in plan.budgets.items():
         out.print(f"sweep: {kind} rungs measured within a {budget:g} s budget each, not the full step count "
                   f"({plan.why.get(kind, '')}; ablation.budget_s sets one for every job)", markup=False)

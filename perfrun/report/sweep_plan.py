@@ -75,6 +75,7 @@ class Plan:
 
     kinds: list[str | None]  # per job; None: a rung skipped on this device
     steps: list[int]
+    calibration_s: float = 0.0  # spent before the first job: the target's share left to the jobs is less by this
     timings: dict[str, Timing] = field(default_factory=dict)
     budgets: dict[str, float] = field(default_factory=dict)
     why: dict[str, str] = field(default_factory=dict)
@@ -133,9 +134,11 @@ def make_plan(config: DictConfig, jobs: list[list[str]]) -> Plan:
     for cfg in composed.values():
         if rung_applies(str(cfg.ablation.acts_on), str(cfg.device)):
             first_of.setdefault(kind_of(cfg), cfg)
+    t0 = time.perf_counter()
     for kind, cfg in first_of.items():
         log.info(f"sweep: calibrating {kind} ({CALIBRATION_STEPS} steps of rung {cfg.ablation.rung})")
         plan.timings[kind] = _calibrate(cfg)
+    plan.calibration_s = time.perf_counter() - t0
     set_budgets(plan, config)
     return plan
 
@@ -154,8 +157,9 @@ def set_budgets(plan: Plan, config: Any) -> None:
                 plan.budgets[kind] = round(max(steps * naive.step_s, 1.0), 1)
                 plan.why[kind] = f"its step is {ratio:.0f}x the naive trainer's on this device"
     target = OmegaConf.select(config, "ablation.target_s")
-    if target is None or plan.total_s() <= target:
+    if target is None or plan.total_s() <= target - plan.calibration_s:
         return
+    target -= plan.calibration_s
     slow = dict(plan.budgets)
 
     def total_with(shared: float) -> float:
