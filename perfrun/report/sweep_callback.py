@@ -115,9 +115,19 @@ def _estimate(config: DictConfig) -> Any:
 
     from perfrun.report import sweep_plan
 
-    jobs = sweep_plan.sweep_jobs(config)
+    try:
+        jobs = sweep_plan.sweep_jobs(config)
+    except Exception:  # noqa: BLE001 - a sweeper other than Hydra's basic one: no count, no ETA
+        return None
     if not sweep_plan.is_ladder(jobs):
         return sweep_plan.Eta(len(jobs), None)
+    sweep_dir = Path(str(config.hydra.sweep.dir))
+    kept = sweep_plan.earlier_estimate(sweep_dir, len(jobs))
+    if kept is not None:  # resume=auto into this sweep dir: its calibration stands
+        Console(highlight=False, soft_wrap=True).print(
+            f"sweep: {len(jobs)} jobs, estimated {sweep_plan.duration(kept['estimate_s'])} when it started "
+            f"({sweep_dir / sweep_plan.ESTIMATE_FILE}); the budgets it gave stand", markup=False)
+        return sweep_plan.Eta(len(jobs), kept["per_job_s"])
     t0 = time.perf_counter()
     try:
         plan = sweep_plan.make_plan(config, jobs)
@@ -130,7 +140,6 @@ def _estimate(config: DictConfig) -> Any:
 
         warn(f"no time estimate: the calibration stopped ({first_line(e)}); the jobs run at full length")
         return sweep_plan.Eta(len(jobs), None)
-    sweep_dir = Path(str(config.hydra.sweep.dir))
     data = sweep_plan.write_estimate(sweep_dir, plan, time.perf_counter() - t0)
     out = Console(highlight=False, soft_wrap=True)
     out.print(f"sweep: {len(jobs)} jobs ({data['skipped_jobs']} not applicable here), estimated "

@@ -186,6 +186,16 @@ def budget_for(sweep_dir: Path, cfg: Any) -> tuple[float, str] | None:
     return (float(budget), str((data.get("why") or {}).get(kind, ""))) if budget is not None else None
 
 
+def earlier_estimate(sweep_dir: Path, jobs: int) -> dict[str, Any] | None:
+    """The estimate a sweep dir already holds for the same number of jobs (a resumed sweep)."""
+    try:
+        data = json.loads((sweep_dir / ESTIMATE_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    ok = isinstance(data, dict) and data.get("jobs") == jobs and len(data.get("per_job_s") or []) == jobs
+    return data if ok else None
+
+
 def write_estimate(sweep_dir: Path, plan: Plan, calibration_s: float) -> dict[str, Any]:
     from perfrun.checkpoint.atomic import write_json
 
