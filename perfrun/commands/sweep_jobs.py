@@ -26,7 +26,7 @@ def _key(arg: str) -> str:
 def preset_without_multirun(args: list[str]) -> str | None:
     """``+sweep=ablation`` without ``-m`` would run one plain job: refuse it in one line."""
     preset = next((a for a in args if _key(a) == "sweep" and "=" in a), None)
-    if preset is None:
+    if preset is None or any(a.startswith("-") for a in args):  # --cfg, --help, --info: no job runs
         return None
     return (f"{preset} is a sweep of many jobs, run only with -m; add -m: perfrun train -m {preset} "
             + " ".join(a for a in args if a != preset)).rstrip()
@@ -38,7 +38,7 @@ def override_grammar(args: list[str]) -> str | None:
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import OverrideParseException
 
-    for arg in (a for a in args if not a.startswith("-")):
+    for arg in (a for a in args if not a.startswith("-") and "=" in a):  # not a flag, nor a flag's value
         try:
             OverridesParser.create().parse_overrides([arg])
         except OverrideParseException:
