@@ -159,7 +159,7 @@ def set_budgets(plan: Plan, config: Any) -> None:
     target = OmegaConf.select(config, "ablation.target_s")
     if target is None or plan.total_s() <= target - plan.calibration_s:
         return
-    target -= plan.calibration_s
+    asked, target = target, target - plan.calibration_s
     slow = dict(plan.budgets)
 
     def total_with(shared: float) -> float:
@@ -172,7 +172,7 @@ def set_budgets(plan: Plan, config: Any) -> None:
         low, high = (mid, high) if total_with(mid) <= target else (low, mid)
     total_with(round(low, 1))
     for k in plan.timings:
-        plan.why.setdefault(k, f"the ladder would overrun ablation.target_s={target:g}")
+        plan.why.setdefault(k, f"the ladder would overrun ablation.target_s={asked:g}")
 
 
 def budget_for(sweep_dir: Path, cfg: Any) -> tuple[float, str] | None:
