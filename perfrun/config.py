@@ -193,6 +193,8 @@ class AblationConfig:
     acts_on: str = "any"  # any | cuda | fp8 (FP8 tensor cores): where the rung's knob can act
     why: str = ""  # what the knob does (and why it cannot act elsewhere)
     repeats: int = 3  # +sweep=ablation: jobs per rung (repeat=0..repeats-1, interleaved)
+    budget_s: float | None = None  # seconds a job trains (after warm-up + 10 steady steps); null: max_steps
+    target_s: float | None = None  # +sweep=ablation: the ladder's wall-time aim, shared out as job budgets
 
 
 @dataclass

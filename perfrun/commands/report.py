@@ -58,6 +58,9 @@ def main(argv: list[str]) -> int:
         if not 0 < args.loss_window <= 1:
             raise ReportError(f"--loss-window {args.loss_window} must be in (0, 1], e.g. 0.2 for the last 20%")
         report = load(args.paths, loss_window=args.loss_window)
+        if report.rows and all(r.status == "unreadable" for r in report.rows):
+            raise ReportError("; ".join(f"{r.job}: {r.reason}" for r in report.rows)
+                              + ": nothing to report; give a run or sweep dir whose summary.json is intact")
         written = _write_files(args, report)
     except ReportError as e:
         error(f"report: {e}")
@@ -77,6 +80,7 @@ def main(argv: list[str]) -> int:
     out = sys.stderr if args.csv or args.json or args.markdown else sys.stdout
     for path in written:
         print(f"report: wrote {path}", file=out)
+    _resume_hints(args.paths)
     return 0
 
 
@@ -99,3 +103,14 @@ def _write_files(args: argparse.Namespace, report: Report) -> list[Path]:
         atomic_write(Path(args.html), to_html(report, png))
         written.append(Path(args.html))
     return written
+
+
+def _resume_hints(paths: list[str]) -> None:
+    """A stopped sweep: the one command that runs the jobs it did not finish."""
+    from perfrun.report.sweep_callback import resume_command, unfinished
+
+    for given in paths:
+        left = unfinished(Path(given))
+        command = resume_command(Path(given)) if left else None
+        if command:
+            print(f"{given}: job(s) {', '.join(left)} did not finish; to run what is missing: {command}")

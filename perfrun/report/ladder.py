@@ -158,7 +158,7 @@ def _entry(rs: _Rungs, rung: str, against: Spread | None = None, base: Spread | 
     out = {
         "rung": rung, "kind": meta.get("kind"), "step": meta.get("step"), "knob": meta.get("knob") or None,
         "why": meta.get("why"), "jobs": [r.job for r in rows], "n": tps.n,
-        "contended": sum(1 for r in rows if r.contended), "failed": sum(1 for r in rows if r.status not in ("completed", "skipped")),
+        "contended": sum(1 for r in rows if r.contended), "failed": sum(1 for r in rows if r.status not in ("completed", "skipped", "stopped")),
         "outliers": [r.job for r in rows if r.job in rs.outliers],
         "applicable": rs.applicable(rung),
         "tokens_per_s": tps.median, "tokens_per_s_min": tps.lo, "tokens_per_s_max": tps.hi, "spread_pct": tps.half_pct,

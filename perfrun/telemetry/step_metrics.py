@@ -302,10 +302,13 @@ class StepMetrics:
             self.load.interval(first, done, interval_time / n)
         self.last_train_loss = distributed.mean_over_ranks(self.loss_sum).item() / n  # the global batch's loss
         wall = sum(self.host_wall[first:done])
+        steady = self.timer.durations[max(first, self.config.warmup_steps):done]  # as the summary's median: no warm-up
         record = {
             "kind": "train", "step": step, "max_steps": self.config.max_steps, "loss": self.last_train_loss,
             "lr": self.lr(), "grad_norm": self.grad_norm.item(),
             "step_time_ms": 1000 * interval_time / n, "tokens_per_s": tokens_per_s,
+            "steady_tokens_per_s": self.throughput.tokens_per_s(sum(steady), len(steady)) if steady else None,
+            "steady_steps_in_interval": len(steady),
             "mfu": self.throughput.mfu(tokens_per_s),
             "host_data_wait_pct": 100 * sum(self.data_wait[first:done]) / wall if wall > 0 else 0.0,
             "gpu_starved_pct": self._gpu_starved_pct(first, done, interval_time),
