@@ -16,6 +16,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 
 from perfrun import device_conditions as resolvers
+from perfrun.models.schema import ModelConfig, model_problem
 
 
 class ConfigError(ValueError):
@@ -73,18 +74,6 @@ class DataLoaderConfig:
 @dataclass
 class AccumulationConfig:
     steps: int = 1  # micro-batches per optimizer step
-
-
-@dataclass
-class ModelConfig:
-    name: str = "tiny"
-    n_layer: int = 4
-    n_head: int = 4
-    n_embd: int = 128
-    block_size: int = 256
-    dropout: float = 0.0
-    bias: bool = True
-    init_from: str | None = None  # a Hugging Face GPT-2 folder whose weights start the run (perfrun/models/pretrained.py)
 
 
 @dataclass
@@ -411,13 +400,9 @@ def _check_dataloader(dl: Any) -> None:
 
 
 def _check_model_and_data(m: Any, data: Any) -> None:
-    if m.n_embd % m.n_head != 0:
-        raise ConfigError(
-            f"model.n_embd={m.n_embd} is not divisible by model.n_head={m.n_head}; "
-            "pick n_embd as a multiple of n_head"
-        )
-    if not 0.0 <= m.dropout < 1.0:
-        raise ConfigError(f"model.dropout={m.dropout} must be in [0, 1); set model.dropout=0.0")
+    problem = model_problem(m)
+    if problem:
+        raise ConfigError(problem)
 
     seq_len = data.seq_len
     if seq_len is not None:
