@@ -85,6 +85,8 @@ class DataConfig:
     val_fraction: float = 0.1
     cache_dir: str | None = None  # None: $PERFRUN_CACHE or ~/.cache/perfrun
     tokenizer: str | None = None  # byte | tiktoken:gpt2 | a tokenizer.json (perfrun/data/tokenizers.py); memmap: from meta.json
+    target: str | None = None  # custom: your Dataset class (pkg.module.Class or file.py:Class), built with args
+    args: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -269,7 +271,7 @@ def group_listing() -> str:
 CHOICES = {
     "precision.dtype": ("float32", "bfloat16", "float16"),
     "checkpointing.name": ("none", "full", "selective"),
-    "data.name": ("pysource", "text", "memmap", "synthetic"),
+    "data.name": ("pysource", "text", "memmap", "synthetic", "custom"),
     "optim.name": ("adamw",),
     "optim.fused": ("auto", "true", "false"),
     "compile_options.mode": ("default", "max-autotune-no-cudagraphs", "reduce-overhead", "max-autotune"),

@@ -289,6 +289,14 @@ def _run_app(args: list[str]) -> int:
         run_dir = Path(hc.runtime.output_dir)
         overrides = list(hc.overrides.task)
         try:
+            if cfg.ablation.rung and world_size() == 1:  # a ladder rung: skipped where its knob cannot act
+                from perfrun.report.rungs import decide, skip
+
+                decision = decide(cfg)
+                if decision.skip is not None:
+                    skip(cfg, run_dir, overrides, decision.skip)
+                    return
+                overrides = [*overrides, *decision.turned_off]
             if cfg.distributed in PARALLEL and cfg.nproc > 1 and world_size() == 1:
                 code = run_sweep_job_on_ranks(cfg, overrides, run_dir)
                 if code in (130, 143):  # the ranks were stopped by a signal: so is the sweep
@@ -298,7 +306,12 @@ def _run_app(args: list[str]) -> int:
             else:
                 log.info(f"run dir {shown_path(run_dir)}")
                 try:
-                    run(cfg, run_dir, overrides=overrides, search_root=search_root)
+                    if cfg.ablation.rung:
+                        from perfrun.report.rungs import run_rung
+
+                        run_rung(cfg, run_dir, overrides=overrides, search_root=search_root)
+                    else:
+                        run(cfg, run_dir, overrides=overrides, search_root=search_root)
                 finally:
                     log.info(f"run dir {shown_path(run_dir)}: {_contents(run_dir)}")
         except (ConfigError, RunFailed) as e:

@@ -17,6 +17,31 @@ import torch
 import torch.nn as nn
 
 from perfrun import distributed
+from perfrun.config import ConfigError
+from perfrun.models import contract
+
+
+class KnobRefused(ConfigError):
+    """A knob whose need the model does not meet (perfrun.models.contract), refused before
+    any work; the ladder skips such a rung with ``reason``."""
+
+    def __init__(self, knob: str, reason: str) -> None:
+        super().__init__(reason)
+        self.knob, self.reason = knob, reason
+
+
+def need(model: nn.Module, capability: str, knob: str) -> None:
+    """Raise KnobRefused naming the missing piece where ``model`` lacks what ``knob`` needs."""
+    why = contract.missing(model, capability, knob)
+    if why is not None:
+        raise KnobRefused(knob, why)
+
+
+def refuse_unmet(fits: list[contract.KnobFit]) -> None:
+    """The first configured knob the model cannot take, as a KnobRefused."""
+    first = contract.refused(fits)
+    if first is not None:
+        raise KnobRefused(first.knob, first.reason)
 
 
 def _no_scaling() -> torch.amp.GradScaler:
@@ -82,7 +107,8 @@ class Plan:
 
 def apply_knobs(cfg: Any, device: torch.device, model: nn.Module, stack: ExitStack) -> Plan:
     """Apply every knob in a fixed order: backends, precision, fp8 (on the plain model), the
-    loss, activation checkpointing, ddp or fsdp, compile."""
+    loss, activation checkpointing, ddp or fsdp, compile. A knob the model cannot take is
+    refused (KnobRefused) before any is applied."""
     from perfrun.knobs import (
         activation_checkpointing,
         backends,
@@ -94,6 +120,7 @@ def apply_knobs(cfg: Any, device: torch.device, model: nn.Module, stack: ExitSta
         precision,
     )
 
+    refuse_unmet(contract.knob_fits(model, cfg))
     plan = Plan(model=model, raw_model=model, micro_steps=int(cfg.accumulation.steps))
     plan.notes["accumulation_steps"] = plan.micro_steps
     for knob in (backends, precision, fp8, loss, activation_checkpointing, ddp, fsdp, compilation):

@@ -224,15 +224,13 @@ class StepTrial:
         optimizer: torch.optim.Optimizer,
         forward_context: Callable[[], AbstractContextManager[Any]],
         device: torch.device,
-        seq_len: int,
-        vocab_size: int,
+        example: tuple[torch.Tensor, torch.Tensor],
         budget_bytes: int | None,
     ) -> None:
         self.model, self.optimizer, self.forward_context = model, optimizer, forward_context
-        self.device, self.seq_len, self.vocab_size = device, seq_len, vocab_size
+        self.device, self.example = device, example  # one (input, target) of the training set: any model's shapes
         self.budget = budget_bytes
         self.peak_mib: dict[int, float] = {}
-        self._gen = torch.Generator(device=device).manual_seed(0)
         self._params = [p for p in model.parameters() if p.requires_grad]
 
     def _resident(self) -> Iterator[torch.Tensor]:
@@ -244,8 +242,7 @@ class StepTrial:
             yield from (v for v in state.values() if isinstance(v, torch.Tensor))
 
     def _step(self, batch: int) -> None:
-        x = torch.randint(self.vocab_size, (batch, self.seq_len), device=self.device, generator=self._gen)
-        y = torch.randint(self.vocab_size, (batch, self.seq_len), device=self.device, generator=self._gen)
+        x, y = (t.to(self.device).unsqueeze(0).expand(batch, *t.shape).contiguous() for t in self.example)
         with self.forward_context():
             _, loss = self.model(x, y)
         loss.backward()
@@ -301,7 +298,7 @@ def _set_rng_state(device: torch.device, state: tuple[torch.Tensor, torch.Tensor
 
 def resolve_auto_batch(
     cfg: Any, device: torch.device, plan: Any, optimizer: torch.optim.Optimizer,
-    train_sequences: int, seq_len: int, vocab_size: int,
+    train_sequences: int, example: tuple[torch.Tensor, torch.Tensor],
 ) -> dict[str, Any]:
     """Find the batch for ``dataloader.batch_size=auto``; return what was chosen and how, for
     summary.json (``batch_size`` is the choice). The run then starts as if it had been given."""
@@ -320,7 +317,7 @@ def resolve_auto_batch(
     if dl.max_batch_size is not None and dl.max_batch_size < cap:
         cap, cap_source = int(dl.max_batch_size), "dataloader.max_batch_size"
     budget = None if budget_mib is None else int(budget_mib * MIB)
-    trial = StepTrial(plan.raw_model, optimizer, plan.forward_context, device, seq_len, vocab_size, budget)
+    trial = StepTrial(plan.raw_model, optimizer, plan.forward_context, device, example, budget)
     rng = _rng_state(device)
     t0 = time.perf_counter()
     try:

@@ -14,11 +14,13 @@ from perfrun import distributed
 from perfrun.config import ConfigError, validate
 from perfrun.data import build_datasets, build_loader
 from perfrun.environment import device_name
-from perfrun.knobs import Plan, apply_knobs, fp8, fsdp
+from perfrun.knobs import Plan, apply_knobs, fp8, fsdp, refuse_unmet
 from perfrun.loop.optimizer import build_optimizer, build_scheduler
 from perfrun.models.build import build_model
+from perfrun.models.contract import describe, knob_fits, model_class, parameter_counts
+from perfrun.models.custom import check_forward
 from perfrun.summary import RunSummary
-from perfrun.telemetry.mfu import mfu_dtype, resolve_peak
+from perfrun.telemetry.mfu import flops_figure, mfu_dtype, resolve_peak
 from perfrun.telemetry.profiling import start_memory_history
 from perfrun.telemetry.step_metrics import Throughput
 
@@ -56,7 +58,17 @@ def setup(cfg: Any, stack: ExitStack) -> Setup:
     log.info(data.description)
 
     m = cfg.model
-    model = build_model(m, data.vocab_size, cfg.attention).to(device)
+    model = build_model(m, data.vocab_size, cfg.attention)
+    example = data.train[0]
+    if m.family == "custom":  # the user's forward must give (logits or None, loss)
+        check_forward(model, *example, f"{m.name} ({m.target})")
+    fits = knob_fits(model, cfg)
+    for line in describe(fits):
+        log.info(line)
+    refuse_unmet(fits)  # before the model moves or any knob acts
+    flops = flops_figure(model, example, seq_len)
+    log.info(flops.describe())
+    model = model.to(device)
     plan = apply_knobs(cfg, device, model, stack)
     optimizer, fused = build_optimizer(model, cfg.optim, device)
     if world > 1:
@@ -66,7 +78,7 @@ def setup(cfg: Any, stack: ExitStack) -> Setup:
     if cfg.dataloader.batch_size == "auto":  # the largest batch that fits, found before the loaders exist
         from perfrun.loop.auto_batch import resolve_auto_batch
 
-        auto_batch = resolve_auto_batch(cfg, device, plan, optimizer, len(data.train), seq_len, data.vocab_size)
+        auto_batch = resolve_auto_batch(cfg, device, plan, optimizer, len(data.train), example)
         cfg.dataloader.batch_size = auto_batch["batch_size"]
 
     train_loader = build_loader(data.train, cfg.dataloader, device_type=device.type, shuffle=True, seed=cfg.seed,
@@ -76,12 +88,13 @@ def setup(cfg: Any, stack: ExitStack) -> Setup:
 
     peak = resolve_peak(str(cfg.mfu.peak), device, mfu_dtype(cfg.precision.dtype, device, cfg.precision.tf32))
     tokens_per_step = cfg.dataloader.batch_size * seq_len * plan.micro_steps * world  # all ranks together
-    throughput = Throughput(tokens_per_step, model.flops_per_token(seq_len), peak.tflops, peak.source, world)
+    throughput = Throughput(tokens_per_step, flops.per_token, peak.tflops, peak.source, world)
     facts: RunSummary = {
-        "knobs": plan.notes, "fused_adamw": fused,
-        "params": model.num_params(non_embedding=False), "params_non_embedding": model.num_params(),
-        "vocab_size": data.vocab_size, "vocab_size_padded": model.config.vocab_size, "seq_len": seq_len,
-        "tokens_per_step": tokens_per_step, "flops_per_token": throughput.flops_per_token, **peak.facts(),
+        "knobs": plan.notes, "fused_adamw": fused, **parameter_counts(model), "model_class": model_class(model),
+        "knob_fits": [f.as_dict() for f in fits],
+        "vocab_size": data.vocab_size, "vocab_size_padded": getattr(getattr(model, "config", None), "vocab_size",
+                                                                    data.vocab_size),
+        "seq_len": seq_len, "tokens_per_step": tokens_per_step, **flops.facts(), **peak.facts(),
         "data": data.description, "batch_size_auto": auto_batch, "memory_snapshot": snapshot,
     }
     log.info(

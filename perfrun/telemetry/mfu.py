@@ -13,6 +13,8 @@ from typing import Any
 import torch
 
 from perfrun.environment import device_name
+from perfrun.models import contract
+from perfrun.models.flops import agreement, counted_flops_per_token
 from perfrun.summary import RunSummary
 from perfrun.telemetry.peaks import datasheet_peak_tflops, measured_peak_tflops
 
@@ -57,3 +59,38 @@ def resolve_peak(choice: str, device: torch.device, dtype_name: str) -> Peak:
         sources["measured_tflops"] = measured
         return Peak(measured, f"measured {dtype_name} matmul peak ({how})", dtype_name, sources)
     return Peak(float(choice), "mfu.peak given by the user", dtype_name, sources)
+
+
+@dataclass
+class FlopsFigure:
+    """MFU's numerator per token: the model's analytic formula where it has one, else the
+    count of one forward and backward; both are kept and logged side by side."""
+
+    counted: float
+    formula: float | None
+
+    @property
+    def source(self) -> str:
+        return "formula" if self.formula is not None else "counted"
+
+    @property
+    def per_token(self) -> float:
+        return self.formula if self.formula is not None else self.counted
+
+    def facts(self) -> RunSummary:
+        return {"flops_per_token": self.per_token, "flops_per_token_source": self.source,
+                "flops_per_token_counted": self.counted, "flops_per_token_formula": self.formula}
+
+    def describe(self) -> str:
+        counted = f"counted {self.counted / 1e6:,.2f}M"
+        if self.formula is None:
+            return f"FLOPs per token: {counted} (FlopCounterMode; the model has no formula), MFU uses it"
+        return (f"FLOPs per token: formula {self.formula / 1e6:,.2f}M, {counted} "
+                f"({100 * agreement(self.counted, self.formula):.1f}% apart), MFU uses the formula")
+
+
+def flops_figure(model: torch.nn.Module, example: tuple[torch.Tensor, torch.Tensor], seq_len: int) -> FlopsFigure:
+    """Both figures for ``model`` (before any knob wraps it), ``example`` one dataset item."""
+    x, y = (t.unsqueeze(0) for t in example)
+    formula = float(model.flops_per_token(seq_len)) if contract.has(model, "flops") else None
+    return FlopsFigure(counted_flops_per_token(model, x, y), formula)

@@ -1,0 +1,110 @@
+"""A ladder rung's job (``perfrun train -m +sweep=ablation``): run it, or skip it with the reason.
+
+The trainer knows no ladder: it trains what it is given and refuses a knob the model cannot
+take (:class:`perfrun.knobs.KnobRefused`). This module, called by the sweep's job, decides
+per rung before any work: a rung whose knob cannot act on this device (TF32 on a CPU, FP8
+without FP8 tensor cores) or on this model (checkpointing without repeated ``blocks``,
+``loss=chunked`` without an output head, attention in a model that picks its own) is not run
+(measured, it would be the rung below plus noise) and gets a ``skipped`` summary with the
+reason. A knob the model cannot take that a rung only inherits from the rungs below it
+(``loss=chunked`` under ``compile_mode``, the leave-one-outs, the trade-offs) is turned off
+for that job, said in the log and in its overrides, so the rest of the ladder still measures.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from omegaconf import OmegaConf
+
+from perfrun.checkpoint.atomic import write_json
+from perfrun.config import ConfigError
+from perfrun.device_conditions import device_kind, rung_applies
+from perfrun.summary import RunSummary, read_summary
+
+if TYPE_CHECKING:
+    from perfrun.config import TrainConfig
+
+log = logging.getLogger("perfrun")
+
+#: a rung's knob (its ``ablation.knob``, else its name) -> the config key the model contract judges
+RUNG_KNOB_KEYS = {"chunked_loss": "loss", "sdpa": "attention", "fp8": "precision",
+                  "checkpointing=full": "checkpointing", "checkpointing=selective": "checkpointing"}
+#: a knob a rung inherits but the model cannot take -> the override that turns it off
+TURN_OFF = {"loss": {"loss": {"name": "standard"}}, "checkpointing": {"checkpointing": {"name": "none", "every_k": 0}},
+            "compile_options.scope": {"compile_options": {"scope": "model"}}}
+
+
+@dataclass
+class Decision:
+    """A rung's fate on this device and model: skipped (with why), or run with ``turned_off``."""
+
+    skip: str | None = None
+    turned_off: list[str] = field(default_factory=list)  # overrides, e.g. "loss=standard"
+
+
+def decide(cfg: TrainConfig) -> Decision:
+    """Skip the rung, or the overrides that turn off what the model cannot take from below."""
+    try:
+        on_device = rung_applies(cfg.ablation.acts_on, cfg.device)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if not on_device:
+        return Decision(skip=f"not applicable on {device_kind(cfg.device)}: {cfg.ablation.why}")
+    from perfrun.models.build import shape_only
+    from perfrun.models.contract import knob_fits
+
+    model = shape_only(cfg.model, int(cfg.data.vocab_size or 50257), str(cfg.attention))
+    fits = [f for f in knob_fits(model, cfg) if not f.applies]
+    own = RUNG_KNOB_KEYS.get(cfg.ablation.knob or cfg.ablation.rung)
+    for fit in fits:
+        if fit.key == own:
+            return Decision(skip=f"not applicable to model {cfg.model.name}: {fit.reason}")
+    decision = Decision()
+    for fit in fits:
+        if fit.refused and fit.key in TURN_OFF:
+            for key, value in TURN_OFF[fit.key].items():
+                OmegaConf.update(cfg, key, value, merge=True)  # type: ignore[arg-type]
+            decision.turned_off.append(_as_override(TURN_OFF[fit.key]))
+            log.info(f"rung {cfg.ablation.rung}: {decision.turned_off[-1]} here ({fit.reason})")
+    return decision
+
+
+def _as_override(change: dict[str, Any]) -> str:
+    (key, value), = change.items()
+    return f"{key}={value['name']}" if isinstance(value, dict) and "name" in value else \
+        ",".join(f"{key}.{k}={v}" for k, v in value.items())
+
+
+def skip(cfg: TrainConfig, run_dir: Path | None, overrides: list[str], reason: str) -> RunSummary:
+    """The rung's ``skipped`` summary; one already in ``run_dir`` stays, unless it is this
+    job's own refusal (a ``failed`` summary with the same reason)."""
+    summary: RunSummary = {"status": "skipped", "reason": reason, "overrides": list(overrides),
+                           "config": OmegaConf.to_container(cfg, resolve=True)}  # type: ignore[typeddict-item]
+    log.info(f"rung {cfg.ablation.rung} skipped, {reason}")
+    if run_dir is not None:
+        path = run_dir / "summary.json"
+        there = read_summary(run_dir) if path.exists() else None
+        if there is None or (there.get("status") == "failed" and reason.endswith(str(there.get("reason")))):
+            run_dir.mkdir(parents=True, exist_ok=True)
+            write_json(path, summary)
+    return summary
+
+
+def run_rung(cfg: TrainConfig, run_dir: Path | None, *, overrides: list[str], search_root: Path | None) -> RunSummary:
+    """One rung's job in this process: skipped, or trained with what the model cannot take off."""
+    from perfrun.distributed import rank
+    from perfrun.knobs import KnobRefused
+    from perfrun.loop.run import run
+
+    decision = decide(cfg)
+    mine = run_dir if rank() == 0 else None
+    if decision.skip is not None:
+        return skip(cfg, mine, overrides, decision.skip)
+    try:
+        return run(cfg, run_dir, overrides=[*overrides, *decision.turned_off], search_root=search_root)
+    except KnobRefused as e:
+        return skip(cfg, mine, overrides, f"not applicable to model {cfg.model.name}: {e.reason}")
