@@ -104,7 +104,7 @@ class _Rungs:
 
     def applicable(self, rung: str) -> bool:
         """Whether the rung's knob acts on the sweep's device: its jobs were not skipped (the
-        job decides, perfrun/device_conditions.py: rung_applies), and, for a sweep whose jobs ran
+        ladder's own code decides, perfrun/report/rungs.py), and, for a sweep whose jobs ran
         every rung, ``acts_on`` names the device (fp8: a CUDA device whose jobs ran)."""
         rows = self.by_rung.get(rung, [])
         if rows and all(r.status == "skipped" for r in rows):
@@ -299,6 +299,19 @@ def ladders(report: Report, *, loss_window: float = DEFAULT_LOSS_WINDOW) -> list
     return out
 
 
+def _model(rs: _Rungs, rows: list[Row]) -> dict[str, Any]:
+    """Which model the ladder measured, from its first completed job (a run written before
+    the counted FLOPs used the formula)."""
+    for row in rows:
+        s = rs.summary(row)
+        if s.get("status") == "completed":
+            m = (s.get("config") or {}).get("model") or {}
+            return {"name": m.get("name", "?"), "target": m.get("target"), "class": s.get("model_class"),
+                    "params": s.get("params"), "flops_per_token": s.get("flops_per_token"),
+                    "flops_per_token_source": s.get("flops_per_token_source", "formula")}
+    return {}
+
+
 def _one_ladder(report: Report, root: str, rows: list[Row], window: float) -> dict[str, Any]:
     rs = _Rungs(report, rows, window)
     kinds = {rung: rs.meta(rung).get("kind") for rung in rs.by_rung}
@@ -333,6 +346,6 @@ def _one_ladder(report: Report, root: str, rows: list[Row], window: float) -> di
         "root": root, "device": rs.device, "device_name": first.device_name, "software": first.software,
         "peak_mem_source": first.peak_mem_source, "loss_window": window, "loss_tolerance": tol, "loss_rule": rule,
         "seed_gap": seed_gap, "top": top, "ladder": ladder, "alternatives": alternatives, "leave_one_out": without,
-        "tradeoffs": _tradeoffs(rs, top), "recommended": recommended,
+        "tradeoffs": _tradeoffs(rs, top), "recommended": recommended, "model": _model(rs, rows),
         "verdict": verdict_line(recommended, ladder[0]["peak_mem_mib"] if ladder else None), "notes": notes,
     }
