@@ -301,7 +301,7 @@ def _unknown_keys(node: Any, schema: Any, prefix: str = "") -> list[str]:
     for key in node.keys() if isinstance(node, DictConfig) else []:
         if key not in schema:
             unknown.append(f"{prefix}{key}")
-        elif isinstance(schema[key], DictConfig):
+        elif isinstance(schema[key], DictConfig) and f"{prefix}{key}" not in ("model.args", "data.args"):  # the user's
             unknown += _unknown_keys(node[key], schema[key], f"{prefix}{key}.")
     return unknown
 
