@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from perfrun.knobs import need
+from perfrun.knobs.refusal import need
 
 
 def apply(cfg: Any, device: torch.device, plan: Any, stack: ExitStack) -> None:

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from perfrun.config import ConfigError
-from perfrun.knobs import need
+from perfrun.knobs.refusal import need
 
 log = logging.getLogger("perfrun")
 

@@ -34,7 +34,7 @@ import torch.nn as nn
 from perfrun.config import CHOICES, ConfigError
 from perfrun.device_conditions import FP8_MIN_CAPABILITY
 from perfrun.inference.int8 import torchao_available
-from perfrun.knobs import KnobRefused
+from perfrun.knobs.refusal import KnobRefused
 
 log = logging.getLogger("perfrun")
 

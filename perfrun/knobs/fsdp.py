@@ -39,8 +39,8 @@ from typing import Any
 import torch
 
 from perfrun.config import ConfigError, FsdpOptions
-from perfrun.knobs import need
 from perfrun.knobs.precision import DTYPES
+from perfrun.knobs.refusal import need
 
 PREFETCH_KEYS = ("forward_prefetch", "backward_prefetch")
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from perfrun.knobs import need
+from perfrun.knobs.refusal import need
 from perfrun.models import contract, losses
 
 
