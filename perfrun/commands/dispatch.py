@@ -19,7 +19,7 @@ COMMANDS = {
     "report": "the table and plot of runs or sweeps, after the fact (perfrun report PATH...)",
     "tune": "search batch size, checkpointing, compile and workers for the highest tokens/s",
     "generate": "sample text from a checkpoint with a KV cache, and measure what the cache buys",
-    "export": "write a checkpoint as ONNX or safetensors (with the Hugging Face GPT-2 layout)",
+    "export": "write a checkpoint as ONNX or safetensors (in the Hugging Face GPT-2 or Llama layout)",
     "prepare": "tokenise a corpus into train.bin/val.bin for data=memmap (a Hydra app: perfrun prepare --help)",
 }
 # The other commands: each module's main(argv) -> exit code, imported only when used.

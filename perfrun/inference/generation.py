@@ -12,8 +12,8 @@ the same shapes. ``compile=True`` compiles that step (sampling included) with
 on the CPU; the prefill stays eager. Compilation and warm-up happen before the clock
 starts and are reported apart (``warmup_s``).
 
-**Beyond block_size.** The model has learned absolute positions and sees at most
-``block_size`` tokens. A longer prompt is cropped from the left. Once a sequence holds
+**Beyond block_size.** The model sees at most ``block_size`` tokens (GPT's learned
+positions, Llama's table of rotary angles). A longer prompt is cropped from the left. Once a sequence holds
 more than ``block_size`` tokens, the uncached path conditions on its last ``block_size``
 tokens, and the cached path does the same by re-filling the cache from that window at
 each such step (counted as ``cache_refills``; each costs a full prefill, so the cache
