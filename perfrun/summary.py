@@ -41,8 +41,8 @@ class RunSummary(TypedDict, total=False):
     seq_len: int
     tokens_per_step: int
     flops_per_token: float  # what MFU uses: the model's formula, else the counted figure
-    flops_per_token_source: str  # formula | counted
-    flops_per_token_counted: float  # FlopCounterMode over one forward and backward (perfrun/models/flops.py)
+    flops_per_token_source: str  # formula | counted | none
+    flops_per_token_counted: float | None  # FlopCounterMode over one forward and backward (perfrun/models/flops.py)
     flops_per_token_formula: float | None  # the model's flops_per_token(seq_len), where it has one
     model_class: str  # the module trained (perfrun.models.gpt.GPT, or the user's class)
     knob_fits: list[dict[str, Any]]  # each configured knob: applies or not, and why (perfrun/models/contract.py)

@@ -67,3 +67,24 @@ def test_a_run_logs_both_figures_and_records_which_one_mfu_used(tmp_path: Path, 
     assert "formula" in line and "counted" in line
     written = json.loads((tmp_path / "summary.json").read_text())
     assert written["flops_per_token_counted"] == s["flops_per_token_counted"]
+
+
+class _DataDependent(torch.nn.Module):
+    """A forward that reads a value (``.item()``): FakeTensorMode cannot run it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(16, 8)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> tuple[None, torch.Tensor]:
+        scale = float(idx.max().item()) + 1.0
+        return None, self.embed(idx).mean() / scale
+
+
+def test_a_model_that_cannot_be_counted_says_so_and_gets_no_mfu() -> None:
+    from perfrun.telemetry.mfu import flops_figure
+
+    x = torch.randint(0, 16, (8,))
+    figure = flops_figure(_DataDependent(), (x, x), 8)
+    assert figure.counted is None and figure.per_token == 0.0 and figure.source == "none"
+    assert figure.problem and "so no MFU" in figure.describe()

@@ -88,7 +88,8 @@ def setup(cfg: Any, stack: ExitStack) -> Setup:
 
     peak = resolve_peak(str(cfg.mfu.peak), device, mfu_dtype(cfg.precision.dtype, device, cfg.precision.tf32))
     tokens_per_step = cfg.dataloader.batch_size * seq_len * plan.micro_steps * world  # all ranks together
-    throughput = Throughput(tokens_per_step, flops.per_token, peak.tflops, peak.source, world)
+    throughput = Throughput(tokens_per_step, flops.per_token, peak.tflops if flops.per_token else None,
+                            peak.source if flops.per_token else "no FLOPs per token (see the FLOPs line)", world)
     facts: RunSummary = {
         "knobs": plan.notes, "fused_adamw": fused, **parameter_counts(model), "model_class": model_class(model),
         "knob_fits": [f.as_dict() for f in fits],
