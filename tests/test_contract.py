@@ -94,6 +94,8 @@ def test_the_ladder_skips_a_rung_the_model_cannot_take_and_turns_inherited_ones_
 
     chunked = decide(make_cfg(*CUSTOM, "+ablation=chunked_loss"))
     assert chunked.skip is not None and chunked.skip.startswith("not applicable to model custom: loss=chunked needs")
+    dropped = decide(make_cfg(*CUSTOM, "+ablation=without_chunked_loss"))  # the top without it is the top here
+    assert dropped.skip is not None and "loss=chunked needs `lm_head`" in dropped.skip
     sdpa = decide(make_cfg(*CUSTOM, "+ablation=without_sdpa"))
     assert sdpa.skip is not None and "config.attention" in sdpa.skip
     cfg = make_cfg(*CUSTOM, "+ablation=without_compile")  # the top rung holds loss=chunked from below

@@ -30,9 +30,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("perfrun")
 
-#: a rung's knob (its ``ablation.knob``, else its name) -> the config key the model contract judges
-RUNG_KNOB_KEYS = {"chunked_loss": "loss", "sdpa": "attention", "fp8": "precision",
-                  "checkpointing=full": "checkpointing", "checkpointing=selective": "checkpointing"}
+#: a rung's knob (its ``ablation.knob``, else its name) -> (the knob, the capability it needs of the model):
+#: the ladder rung that adds it and the leave-one-out that drops it both mean nothing without it
+RUNG_NEEDS = {"chunked_loss": ("loss=chunked", "head"), "sdpa": ("attention=sdpa", "attention"),
+              "fp8": ("precision=fp8", "linear"), "checkpointing=full": ("checkpointing=full", "blocks"),
+              "checkpointing=selective": ("checkpointing=selective", "blocks")}
 #: a knob a rung inherits but the model cannot take -> the override that turns it off
 TURN_OFF = {"loss": {"loss": {"name": "standard"}}, "checkpointing": {"checkpointing": {"name": "none", "every_k": 0}},
             "compile_options.scope": {"compile_options": {"scope": "model"}}}
@@ -55,16 +57,15 @@ def decide(cfg: TrainConfig) -> Decision:
     if not on_device:
         return Decision(skip=f"not applicable on {device_kind(cfg.device)}: {cfg.ablation.why}")
     from perfrun.models.build import shape_only
-    from perfrun.models.contract import knob_fits
+    from perfrun.models.contract import knob_fits, missing
 
     model = shape_only(cfg.model, int(cfg.data.vocab_size or 50257), str(cfg.attention))
-    fits = [f for f in knob_fits(model, cfg) if not f.applies]
-    own = RUNG_KNOB_KEYS.get(cfg.ablation.knob or cfg.ablation.rung)
-    for fit in fits:
-        if fit.key == own:
-            return Decision(skip=f"not applicable to model {cfg.model.name}: {fit.reason}")
+    own = RUNG_NEEDS.get(cfg.ablation.knob or cfg.ablation.rung)
+    why = missing(model, own[1], own[0]) if own else None
+    if why is not None:
+        return Decision(skip=f"not applicable to model {cfg.model.name}: {why}")
     decision = Decision()
-    for fit in fits:
+    for fit in (f for f in knob_fits(model, cfg) if not f.applies):
         if fit.refused and fit.key in TURN_OFF:
             for key, value in TURN_OFF[fit.key].items():
                 OmegaConf.update(cfg, key, value, merge=True)  # type: ignore[arg-type]
