@@ -69,7 +69,8 @@ def test_the_example_laddered_skips_what_cannot_act(tmp_path: Path, one_thread: 
     assert "loss=standard" in s[3]["overrides"] and s[3]["knobs"]["checkpointed_blocks"] == 2
     loaded = report.load([tmp_path])
     (a,) = loaded.ablations
-    assert not next(e for e in a["ladder"] if e["rung"] == "chunked_loss")["applicable"]
+    chunked = next(e for e in a["ladder"] if e["rung"] == "chunked_loss")
+    assert not chunked["applicable"] and chunked["verdict"].startswith("not applicable to model custom: loss=chunked")
     line = next(x for x in header(loaded) if x.startswith("model: "))
     assert "SeqClassifier" in line and "FLOPs per token (counted)" in line and "M parameters" in line
 

@@ -166,8 +166,9 @@ def _entry(rs: _Rungs, rung: str, against: Spread | None = None, base: Spread | 
 
 
 def _verdict(rs: _Rungs, rung: str, e: dict[str, Any], eff: Effect) -> str:
-    if not e["applicable"]:
-        return f"not applicable on {rs.device}: {e['why']}"
+    if not e["applicable"]:  # the skipped jobs' own reason (the device's or the model's), else the device's
+        skipped = next((r.reason for r in rs.by_rung.get(rung, []) if r.status == "skipped" and r.reason), None)
+        return skipped or f"not applicable on {rs.device}: {e['why']}"
     if e["n"] == 0:
         if e["contended"]:
             return f"not ranked: all {e['contended']} job(s) shared the machine (contended)"
