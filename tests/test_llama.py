@@ -6,6 +6,8 @@ its checkpoint, and one line for each bad input."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -14,14 +16,15 @@ from omegaconf import OmegaConf
 
 from perfrun.checkpoint import files as checkpoint
 from perfrun.commands.dispatch import main as cli_main
-from perfrun.config import ConfigError, config_dir, validate
+from perfrun.config import ConfigError, config_dir
 from perfrun.inference.generation import Generator, generate
 from perfrun.inference.loading import load_model
 from perfrun.inference.sampling import Sampler
 from perfrun.loop.run import run
+from perfrun.model_schema import ModelConfig, RopeScalingConfig
 from perfrun.models.llama import Llama, LlamaConfig, rope_frequencies, swiglu_hidden
 from perfrun.models.pretrained import check_llama_shape, init_from
-from perfrun.models.schema import ModelConfig, RopeScalingConfig
+from perfrun.validate import validate
 
 from conftest import losses, make_cfg
 
@@ -77,6 +80,29 @@ def test_logits_equal_transformers_llama_from_its_own_folder(tmp_path: Path, tie
         diff = (ours(x)[0] - theirs(x).logits).abs().max().item()
     assert diff < 1e-4
     assert (ours.lm_head.weight is ours.wte.weight) == tied
+
+
+def test_a_folder_in_transformers_4s_keys_loads_the_same(tmp_path: Path) -> None:
+    """transformers before 5 kept theta as ``rope_theta`` and the scaling as ``rope_scaling``."""
+    folder = hf_folder(tmp_path / "v5", tied=True)
+    config = json.loads((folder / "config.json").read_text())
+    rope = config.pop("rope_parameters")
+    config["rope_theta"] = rope.pop("rope_theta")
+    config["rope_scaling"] = rope
+    old = tmp_path / "v4"
+    old.mkdir()
+    (old / "config.json").write_text(json.dumps(config))
+    shutil.copy(folder / "model.safetensors", old / "model.safetensors")
+    m = model_cfg(folder, tied=True)
+    new_style = init_from(Llama(LlamaConfig.from_model(m, 256)), m, 256).eval()
+    m.init_from = str(old)
+    old_style = init_from(Llama(LlamaConfig.from_model(m, 256)), m, 256).eval()
+    with torch.no_grad():
+        assert torch.equal(new_style(tokens())[0], old_style(tokens())[0])
+    config["rope_theta"] = 10000.0  # another theta is another model: refused, naming it
+    (old / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="rope_theta 10000.0 \\(here 500000.0\\)"):
+        init_from(Llama(LlamaConfig.from_model(m, 256)), m, 256)
 
 
 def test_llama3_frequency_scaling_equals_transformers_function() -> None:
@@ -303,6 +329,23 @@ def test_n_head_not_divisible_by_n_kv_head_is_one_line_and_exit_2(tmp_path: Path
     assert e.value.code == 2 and len(err.splitlines()) == 1
     assert "model.n_head=4 is not divisible by model.n_kv_head=3" in err and "pick n_kv_head dividing n_head" in err
     assert not (tmp_path / "checkpoints").exists()
+
+
+def test_old_rotary_buffers_are_skipped_and_a_foreign_tensor_is_refused(tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    folder = hf_folder(tmp_path / "hf", tied=True)
+    m = model_cfg(folder, tied=True)
+    want = init_from(Llama(LlamaConfig.from_model(m, 256)), m, 256).state_dict()
+    weights = load_file(folder / "model.safetensors")
+    weights["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(4)  # as transformers < 4.31 saved it
+    save_file(weights, folder / "model.safetensors")
+    got = init_from(Llama(LlamaConfig.from_model(m, 256)), m, 256).state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    weights["model.layers.0.self_attn.q_proj.bias"] = torch.zeros(32)
+    save_file(weights, folder / "model.safetensors")
+    with pytest.raises(ConfigError, match="hold model.layers.0.self_attn.q_proj.bias, which perfrun's Llama has no"):
+        init_from(Llama(LlamaConfig.from_model(m, 256)), m, 256)
 
 
 @pytest.mark.parametrize(("overrides", "says"), [

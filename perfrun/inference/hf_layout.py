@@ -148,6 +148,8 @@ def llama_state_dict(hf: dict[str, torch.Tensor], tied: bool) -> dict[str, torch
     KeyError (its caller says which). A tied head is the embedding."""
     sd: dict[str, torch.Tensor] = {}
     for name, tensor in hf.items():
+        if name.endswith("rotary_emb.inv_freq"):  # a buffer older transformers saved; perfrun derives it from the config
+            continue
         ours = _rename(name, HF_LLAMA_NAMES)
         if ours is None:
             raise KeyError(name)

@@ -20,9 +20,9 @@ from perfrun.checkpoint import files as checkpoint
 from perfrun.config import ConfigError
 from perfrun.console import first_line
 from perfrun.data.tokenizers import BYTE_VOCAB, Tokenizer, load_tokenizer
+from perfrun.model_schema import ModelConfig
 from perfrun.models.gpt import GPT, GPTConfig
 from perfrun.models.llama import Llama, LlamaConfig
-from perfrun.models.schema import ModelConfig
 
 BYTE_SOURCES = ("pysource", "text")  # data= sources whose tokens are bytes unless a tokenizer is named
 

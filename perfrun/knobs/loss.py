@@ -13,11 +13,12 @@ from typing import Any
 
 import torch
 
+from perfrun.config import TrainConfig
 from perfrun.knobs.refusal import need
 from perfrun.models import contract, losses
 
 
-def apply(cfg: Any, device: torch.device, plan: Any, stack: ExitStack) -> None:
+def apply(cfg: TrainConfig, device: torch.device, plan: Any, stack: ExitStack) -> None:
     model = plan.raw_model
     if cfg.loss.name == "standard" and not contract.has(model, "head"):
         plan.notes["loss"] = {"name": "the model's own"}  # nothing to swap: its forward computes its loss

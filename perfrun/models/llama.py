@@ -23,9 +23,9 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
+from perfrun.model_schema import RopeScalingConfig
 from perfrun.models.gpt import KVCache
 from perfrun.models.losses import LossFn, standard_linear_cross_entropy
-from perfrun.models.schema import RopeScalingConfig
 
 
 @dataclass
@@ -57,7 +57,7 @@ class LlamaConfig:
 
     @classmethod
     def from_model(cls, m: Any, vocab_size: int, attention: str = "sdpa") -> LlamaConfig:
-        """From the ``model`` group (:class:`perfrun.models.schema.ModelConfig`)."""
+        """From the ``model`` group (:class:`perfrun.model_schema.ModelConfig`)."""
         s = m.rope_scaling
         return cls(
             vocab_size=vocab_size, block_size=m.block_size, n_layer=m.n_layer, n_head=m.n_head, n_embd=m.n_embd,

@@ -33,9 +33,9 @@ from omegaconf import OmegaConf
 from perfrun.config import ConfigError, config_dir
 from perfrun.console import first_line
 from perfrun.inference.hf_layout import llama_state_dict, perfrun_state_dict
+from perfrun.model_schema import ModelConfig
 from perfrun.models.gpt import GPT
 from perfrun.models.llama import Llama
-from perfrun.models.schema import ModelConfig
 
 SHAPE = {"n_layer": "n_layer", "n_head": "n_head", "n_embd": "n_embd", "block_size": "n_positions"}
 ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")  # GELU with the tanh approximation, as perfrun's
@@ -86,7 +86,7 @@ def _preset(shape: dict[str, Any]) -> str | None:
     return None
 
 
-def check_shape(config: dict[str, Any], model: GPT, model_cfg: Any, shown: str) -> None:
+def check_shape(config: dict[str, Any], model: GPT, model_cfg: ModelConfig, shown: str) -> None:
     """The folder's shape must be the model group's; else one line with the overrides."""
     theirs = {ours: int(config.get(key, config.get("n_ctx", 0) if key == "n_positions" else 0))
               for ours, key in SHAPE.items()}
@@ -199,7 +199,7 @@ def llama_shape(config: dict[str, Any], shown: str) -> dict[str, Any]:
     return shape
 
 
-def check_llama_shape(config: dict[str, Any], model: Llama, model_cfg: Any, shown: str) -> None:
+def check_llama_shape(config: dict[str, Any], model: Llama, model_cfg: ModelConfig, shown: str) -> None:
     """The folder's Llama must be the model group's, and its context at least block_size;
     else one line with the overrides (and the preset) that match it."""
     theirs = llama_shape(config, shown)
@@ -219,7 +219,7 @@ def check_llama_shape(config: dict[str, Any], model: Llama, model_cfg: Any, show
                       + (f"model={preset} (or {overrides})" if preset else overrides))
 
 
-def _init_llama(model: Llama, model_cfg: Any, data_vocab: int, folder: Path, shown: str) -> Llama:
+def _init_llama(model: Llama, model_cfg: ModelConfig, data_vocab: int, folder: Path, shown: str) -> Llama:
     config = config_json(folder, shown, "llama")
     check_llama_shape(config, model, model_cfg, shown)
     try:
@@ -243,7 +243,7 @@ def _load(model: torch.nn.Module, sd: dict[str, torch.Tensor], shown: str) -> No
                           "damaged or hand-edited") from None
 
 
-def init_from(model: GPT | Llama, model_cfg: Any, data_vocab: int) -> GPT | Llama:
+def init_from(model: GPT | Llama, model_cfg: ModelConfig, data_vocab: int) -> GPT | Llama:
     """``model`` with the weights of ``model_cfg.init_from`` (unchanged when it is not set);
     anything that does not fit is a one-line ConfigError."""
     if not getattr(model_cfg, "init_from", None):

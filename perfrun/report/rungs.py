@@ -13,20 +13,20 @@ for that job, said in the log and in its overrides, so the rest of the ladder st
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-from omegaconf import OmegaConf
+from typing import TYPE_CHECKING
 
 from perfrun.checkpoint.atomic import write_json
-from perfrun.config import ConfigError
+from perfrun.config import ConfigError, TrainConfig, as_dict
 from perfrun.device_conditions import device_kind, rung_applies
 from perfrun.summary import RunSummary, read_summary
 
 if TYPE_CHECKING:
-    from perfrun.config import TrainConfig
+    from perfrun.checkpoint.resume_search import RunSearch
 
 log = logging.getLogger("perfrun")
 
@@ -35,9 +35,10 @@ log = logging.getLogger("perfrun")
 RUNG_NEEDS = {"chunked_loss": ("loss=chunked", "head"), "sdpa": ("attention=sdpa", "attention"),
               "fp8": ("precision=fp8", "linear"), "checkpointing=full": ("checkpointing=full", "blocks"),
               "checkpointing=selective": ("checkpointing=selective", "blocks")}
-#: a knob a rung inherits but the model cannot take -> the override that turns it off
-TURN_OFF = {"loss": {"loss": {"name": "standard"}}, "checkpointing": {"checkpointing": {"name": "none", "every_k": 0}},
-            "compile_options.scope": {"compile_options": {"scope": "model"}}}
+#: a knob a rung inherits but the model cannot take -> (the config piece, its new values, the override that says so)
+TURN_OFF = {"loss": ("loss", {"name": "standard"}, "loss=standard"),
+            "checkpointing": ("checkpointing", {"name": "none", "every_k": 0}, "checkpointing=none"),
+            "compile_options.scope": ("compile_options", {"scope": "model"}, "compile_options.scope=model")}
 
 
 @dataclass
@@ -67,24 +68,18 @@ def decide(cfg: TrainConfig) -> Decision:
     decision = Decision()
     for fit in (f for f in knob_fits(model, cfg) if not f.applies):
         if fit.refused and fit.key in TURN_OFF:
-            for key, value in TURN_OFF[fit.key].items():
-                OmegaConf.update(cfg, key, value, merge=True)  # type: ignore[arg-type]
-            decision.turned_off.append(_as_override(TURN_OFF[fit.key]))
-            log.info(f"rung {cfg.ablation.rung}: {decision.turned_off[-1]} here ({fit.reason})")
+            piece, values, override = TURN_OFF[fit.key]
+            setattr(cfg, piece, dataclasses.replace(getattr(cfg, piece), **values))
+            decision.turned_off.append(override)
+            log.info(f"rung {cfg.ablation.rung}: {override} here ({fit.reason})")
     return decision
-
-
-def _as_override(change: dict[str, Any]) -> str:
-    (key, value), = change.items()
-    return f"{key}={value['name']}" if isinstance(value, dict) and "name" in value else \
-        ",".join(f"{key}.{k}={v}" for k, v in value.items())
 
 
 def skip(cfg: TrainConfig, run_dir: Path | None, overrides: list[str], reason: str) -> RunSummary:
     """The rung's ``skipped`` summary; one already in ``run_dir`` stays, unless it is this
     job's own refusal (a ``failed`` summary with the same reason)."""
     summary: RunSummary = {"status": "skipped", "reason": reason, "overrides": list(overrides),
-                           "config": OmegaConf.to_container(cfg, resolve=True)}  # type: ignore[typeddict-item]
+                           "config": as_dict(cfg)}
     log.info(f"rung {cfg.ablation.rung} skipped, {reason}")
     if run_dir is not None:
         path = run_dir / "summary.json"
@@ -95,7 +90,8 @@ def skip(cfg: TrainConfig, run_dir: Path | None, overrides: list[str], reason: s
     return summary
 
 
-def run_rung(cfg: TrainConfig, run_dir: Path | None, *, overrides: list[str], search_root: Path | None) -> RunSummary:
+def run_rung(cfg: TrainConfig, run_dir: Path | None, *, overrides: list[str], search: RunSearch | None = None,
+             sweep_args: Sequence[str] = ()) -> RunSummary:
     """One rung's job in this process: skipped, or trained with what the model cannot take off."""
     from perfrun.distributed import rank
     from perfrun.knobs import KnobRefused
@@ -106,6 +102,6 @@ def run_rung(cfg: TrainConfig, run_dir: Path | None, *, overrides: list[str], se
     if decision.skip is not None:
         return skip(cfg, mine, overrides, decision.skip)
     try:
-        return run(cfg, run_dir, overrides=[*overrides, *decision.turned_off], search_root=search_root)
+        return run(cfg, run_dir, overrides=[*overrides, *decision.turned_off], search=search, sweep_args=sweep_args)
     except KnobRefused as e:
         return skip(cfg, mine, overrides, f"not applicable to model {cfg.model.name}: {e.reason}")
