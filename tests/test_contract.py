@@ -90,7 +90,7 @@ def test_what_applies_is_listed_and_what_does_not_says_why() -> None:
 
 
 def test_the_ladder_skips_a_rung_the_model_cannot_take_and_turns_inherited_ones_off() -> None:
-    from perfrun.report.rungs import decide
+    from perfrun.commands.rungs import decide
 
     chunked = decide(make_cfg(*CUSTOM, "+ablation=chunked_loss"))
     assert chunked.skip is not None and chunked.skip.startswith("not applicable to model custom: loss=chunked needs")

@@ -55,8 +55,8 @@ def test_the_example_laddered_skips_what_cannot_act(tmp_path: Path, one_thread: 
     attention and the chunked loss are skipped with the piece they miss, checkpointing acts on
     the example's blocks with the chunked loss it inherits turned off; the report names the model."""
     from perfrun import report
+    from perfrun.commands.rungs import run_rung
     from perfrun.report.render import header
-    from perfrun.report.rungs import run_rung
 
     rungs = {"naive": [], "sdpa": [], "chunked_loss": [], "checkpointing_full": ["compile=false"]}
     for n, (rung, extra) in enumerate(rungs.items()):

@@ -82,7 +82,7 @@ class _DataDependent(torch.nn.Module):
 
 
 def test_a_model_that_cannot_be_counted_says_so_and_gets_no_mfu() -> None:
-    from perfrun.telemetry.mfu import flops_figure
+    from perfrun.models.flops import flops_figure
 
     x = torch.randint(0, 16, (8,))
     figure = flops_figure(_DataDependent(), (x, x), 8)

@@ -304,7 +304,7 @@ def _run_app(args: list[str], search_root: Path | None) -> int:
         try:
             config = typed(cfg)  # the job's configuration, typed once; cfg stays as Hydra composed it
             if config.ablation.rung and world_size() == 1:  # a ladder rung: skipped where its knob cannot act
-                from perfrun.report.rungs import decide, skip
+                from perfrun.commands.rungs import decide, skip
 
                 decision = decide(config)
                 if decision.skip is not None:
@@ -322,7 +322,7 @@ def _run_app(args: list[str], search_root: Path | None) -> int:
                 search = RunSearch(search_root, job_config(cfg), run_dir) if search_root is not None else None
                 try:
                     if config.ablation.rung:
-                        from perfrun.report.rungs import run_rung
+                        from perfrun.commands.rungs import run_rung
 
                         run_rung(config, run_dir, overrides=overrides, search=search, sweep_args=args)
                     else:

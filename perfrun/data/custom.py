@@ -15,7 +15,7 @@ from torch.utils.data import Dataset, Subset
 
 from perfrun.config import ConfigError
 from perfrun.data.windows import DataBundle
-from perfrun.models.custom import instantiate
+from perfrun.user_code import instantiate
 
 if TYPE_CHECKING:
     from perfrun.config import DataConfig

@@ -20,8 +20,9 @@ from perfrun.loop.optimizer import build_optimizer, build_scheduler
 from perfrun.models.build import build_model
 from perfrun.models.contract import describe, knob_fits, model_class, parameter_counts
 from perfrun.models.custom import check_forward
+from perfrun.models.flops import flops_figure
 from perfrun.summary import RunSummary
-from perfrun.telemetry.mfu import flops_figure, mfu_dtype, resolve_peak
+from perfrun.telemetry.mfu import mfu_dtype, resolve_peak
 from perfrun.telemetry.profiling import start_memory_history
 from perfrun.telemetry.step_metrics import Throughput
 from perfrun.validate import validate

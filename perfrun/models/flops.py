@@ -13,6 +13,7 @@ backward (the scores again: 5 matmuls where the model has 4).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,6 +25,10 @@ from torch.utils.flop_counter import (
     sdpa_backward_flop_count,
     sdpa_flop_count,
 )
+
+from perfrun.console import first_line
+from perfrun.models import contract
+from perfrun.summary import RunSummary
 
 _aten = torch.ops.aten
 
@@ -97,3 +102,46 @@ def _state(model: nn.Module) -> dict[str, torch.Tensor]:
 def agreement(counted: float, formula: float) -> float:
     """How far the counted figure is from the formula's, as a fraction of the formula's."""
     return abs(counted - formula) / formula
+
+
+@dataclass
+class FlopsFigure:
+    """MFU's numerator per token: the model's analytic formula where it has one, else the
+    count of one forward and backward; both are kept and logged side by side. ``problem``:
+    why the count failed (a model FakeTensorMode cannot run), said in the log."""
+
+    counted: float | None
+    formula: float | None
+    problem: str | None = None
+
+    @property
+    def source(self) -> str:
+        return "formula" if self.formula is not None else "counted" if self.counted is not None else "none"
+
+    @property
+    def per_token(self) -> float:
+        """0 where neither figure exists: then MFU is not reported."""
+        return self.formula if self.formula is not None else self.counted or 0.0
+
+    def facts(self) -> RunSummary:
+        return {"flops_per_token": self.per_token, "flops_per_token_source": self.source,
+                "flops_per_token_counted": self.counted, "flops_per_token_formula": self.formula}
+
+    def describe(self) -> str:
+        counted = (f"counted {self.counted / 1e6:,.2f}M" if self.counted is not None
+                   else f"not counted ({self.problem})")
+        if self.formula is None:
+            return f"FLOPs per token: {counted}; the model has no formula, " + \
+                ("MFU uses the count" if self.counted is not None else "so no MFU")
+        apart = f" ({100 * agreement(self.counted, self.formula):.1f}% apart)" if self.counted is not None else ""
+        return f"FLOPs per token: formula {self.formula / 1e6:,.2f}M, {counted}{apart}, MFU uses the formula"
+
+
+def flops_figure(model: nn.Module, example: tuple[torch.Tensor, torch.Tensor], seq_len: int) -> FlopsFigure:
+    """Both figures for ``model`` (before any knob wraps it), ``example`` one dataset item."""
+    x, y = (t.unsqueeze(0) for t in example)
+    formula = float(model.flops_per_token(seq_len)) if contract.has(model, "flops") else None
+    try:
+        return FlopsFigure(counted_flops_per_token(model, x, y), formula)
+    except Exception as e:  # noqa: BLE001 - the user's model under FakeTensorMode: said in the log, not fatal
+        return FlopsFigure(None, formula, f"{type(e).__name__}: {first_line(e)}")

@@ -12,10 +12,7 @@ from typing import Any
 
 import torch
 
-from perfrun.console import first_line
 from perfrun.environment import device_name
-from perfrun.models import contract
-from perfrun.models.flops import agreement, counted_flops_per_token
 from perfrun.summary import RunSummary
 from perfrun.telemetry.peaks import datasheet_peak_tflops, measured_peak_tflops
 
@@ -60,46 +57,3 @@ def resolve_peak(choice: str, device: torch.device, dtype_name: str) -> Peak:
         sources["measured_tflops"] = measured
         return Peak(measured, f"measured {dtype_name} matmul peak ({how})", dtype_name, sources)
     return Peak(float(choice), "mfu.peak given by the user", dtype_name, sources)
-
-
-@dataclass
-class FlopsFigure:
-    """MFU's numerator per token: the model's analytic formula where it has one, else the
-    count of one forward and backward; both are kept and logged side by side. ``problem``:
-    why the count failed (a model FakeTensorMode cannot run), said in the log."""
-
-    counted: float | None
-    formula: float | None
-    problem: str | None = None
-
-    @property
-    def source(self) -> str:
-        return "formula" if self.formula is not None else "counted" if self.counted is not None else "none"
-
-    @property
-    def per_token(self) -> float:
-        """0 where neither figure exists: then MFU is not reported."""
-        return self.formula if self.formula is not None else self.counted or 0.0
-
-    def facts(self) -> RunSummary:
-        return {"flops_per_token": self.per_token, "flops_per_token_source": self.source,
-                "flops_per_token_counted": self.counted, "flops_per_token_formula": self.formula}
-
-    def describe(self) -> str:
-        counted = (f"counted {self.counted / 1e6:,.2f}M" if self.counted is not None
-                   else f"not counted ({self.problem})")
-        if self.formula is None:
-            return f"FLOPs per token: {counted}; the model has no formula, " + \
-                ("MFU uses the count" if self.counted is not None else "so no MFU")
-        apart = f" ({100 * agreement(self.counted, self.formula):.1f}% apart)" if self.counted is not None else ""
-        return f"FLOPs per token: formula {self.formula / 1e6:,.2f}M, {counted}{apart}, MFU uses the formula"
-
-
-def flops_figure(model: torch.nn.Module, example: tuple[torch.Tensor, torch.Tensor], seq_len: int) -> FlopsFigure:
-    """Both figures for ``model`` (before any knob wraps it), ``example`` one dataset item."""
-    x, y = (t.unsqueeze(0) for t in example)
-    formula = float(model.flops_per_token(seq_len)) if contract.has(model, "flops") else None
-    try:
-        return FlopsFigure(counted_flops_per_token(model, x, y), formula)
-    except Exception as e:  # noqa: BLE001 - the user's model under FakeTensorMode: said in the log, not fatal
-        return FlopsFigure(None, formula, f"{type(e).__name__}: {first_line(e)}")
