@@ -16,7 +16,7 @@ from perfrun.knobs import KnobRefused, apply_knobs
 from perfrun.models import contract
 from perfrun.models.gpt import GPT, GPTConfig
 from perfrun.models.llama import Llama, LlamaConfig
-from perfrun.models.schema import ModelConfig
+from perfrun.model_schema import ModelConfig
 
 from conftest import REPO, make_cfg
 

@@ -61,14 +61,14 @@ def test_the_example_laddered_skips_what_cannot_act(tmp_path: Path, one_thread: 
     rungs = {"naive": [], "sdpa": [], "chunked_loss": [], "checkpointing_full": ["compile=false"]}
     for n, (rung, extra) in enumerate(rungs.items()):
         overrides = [f"+ablation={rung}", "repeat=0", "max_steps=8", *extra]
-        run_rung(make_cfg(*CUSTOM, *overrides), tmp_path / str(n), overrides=overrides, search_root=None)
+        run_rung(make_cfg(*CUSTOM, *overrides), tmp_path / str(n), overrides=overrides)
     s = [json.loads((tmp_path / str(n) / "summary.json").read_text()) for n in range(len(rungs))]
     assert [x["status"] for x in s] == ["completed", "skipped", "skipped", "completed"]
     assert "attention=sdpa needs `config.attention`" in s[1]["reason"]
     assert s[2]["reason"].startswith("not applicable to model custom: loss=chunked needs `lm_head`")
     assert "loss=standard" in s[3]["overrides"] and s[3]["knobs"]["checkpointed_blocks"] == 2
     loaded = report.load([tmp_path])
-    (a,) = loaded.ablations
+    (a,) = loaded.ladders
     chunked = next(e for e in a["ladder"] if e["rung"] == "chunked_loss")
     assert not chunked["applicable"] and chunked["verdict"].startswith("not applicable to model custom: loss=chunked")
     line = next(x for x in header(loaded) if x.startswith("model: "))

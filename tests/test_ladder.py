@@ -273,7 +273,7 @@ def test_a_rung_that_cannot_act_here_is_skipped_and_shown_not_applicable(tmp_pat
 
     plant_ladder(tmp_path)
     overrides = ["+ablation=fp8", "max_steps=40", "repeat=0"]
-    s = run_rung(make_cfg(*overrides), tmp_path / "fp8", overrides=overrides, search_root=None)
+    s = run_rung(make_cfg(*overrides), tmp_path / "fp8", overrides=overrides)
     assert s["status"] == "skipped" and "FP8 tensor cores" in s["reason"] and s["reason"].startswith("not applicable on cpu")
     written = json.loads((tmp_path / "fp8" / "summary.json").read_text())
     assert written["status"] == "skipped" and written["config"]["precision"]["name"] == "bf16"

@@ -200,7 +200,7 @@ def header(report: Report) -> list[str]:
     lines += [f"finished: {when}"] if when else []
     lines += [f"command: perfrun train {'-m ' if len(rows) > 1 else ''}{' '.join([*common, *swept])}".rstrip()]
     lines += [f"from: {folders}"]
-    lines += [model_line(a["model"]) for a in report.ablations if a.get("model")]
+    lines += [model_line(a["model"]) for a in report.ladders if a.get("model")]
     return lines
 
 
