@@ -13,10 +13,10 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from perfrun.knobs import KnobRefused, apply_knobs
+from perfrun.model_schema import ModelConfig
 from perfrun.models import contract
 from perfrun.models.gpt import GPT, GPTConfig
 from perfrun.models.llama import Llama, LlamaConfig
-from perfrun.model_schema import ModelConfig
 
 from conftest import REPO, make_cfg
 

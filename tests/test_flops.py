@@ -11,10 +11,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from perfrun.model_schema import ModelConfig
 from perfrun.models.flops import counted_flops_per_token
 from perfrun.models.gpt import GPT, GPTConfig
 from perfrun.models.llama import Llama, LlamaConfig
-from perfrun.model_schema import ModelConfig
 
 from conftest import REPO, make_cfg
 
