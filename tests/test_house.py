@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "perfrun"
 # here; any other arrow fails test_imports_follow_the_allowed_directions. An entry point (a
 # ``__main__`` module) is a command.
 GROUND = {"perfrun", "config", "model_schema", "validate", "console", "summary", "distributed", "devices", "device_conditions",
-          "environment"}
+          "environment", "user_code"}
 LIBRARY = {"loop", "knobs", "models", "data", "checkpoint", "telemetry", "inference", "report", "prepare", "tune",
            "gpucheck"}
 MAY_IMPORT: dict[str, set[str]] = {

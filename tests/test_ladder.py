@@ -267,14 +267,14 @@ def test_loss_parity_calibrated_by_seeds_flags_a_10x_learning_rate_not_bf16(tmp_
 def test_a_rung_that_cannot_act_here_is_skipped_and_shown_not_applicable(tmp_path: Path) -> None:
     """FP8 on a CPU: the job trains nothing, says why in its summary, does not fail the
     sweep, and the ladder shows the rung as not applicable, never as a measurement."""
-    from perfrun.loop.run import run
+    from perfrun.commands.rungs import run_rung
     from perfrun.report.sweep_callback import failed_jobs
 
     from conftest import make_cfg
 
     plant_ladder(tmp_path)
     overrides = ["+ablation=fp8", "max_steps=40", "repeat=0"]
-    s = run(make_cfg(*overrides), tmp_path / "fp8", overrides=overrides)
+    s = run_rung(make_cfg(*overrides), tmp_path / "fp8", overrides=overrides)
     assert s["status"] == "skipped" and "FP8 tensor cores" in s["reason"] and s["reason"].startswith("not applicable on cpu")
     written = json.loads((tmp_path / "fp8" / "summary.json").read_text())
     assert written["status"] == "skipped" and written["config"]["precision"]["name"] == "bf16"

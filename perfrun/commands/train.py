@@ -339,6 +339,15 @@ def _run_app(args: list[str], search_root: Path | None) -> int:
             if hc.mode == RunMode.MULTIRUN:
                 if _measured_before(config, run_dir, overrides):
                     return
+            if config.ablation.rung and world_size() == 1:  # a ladder rung: skipped where its knob cannot act
+                from perfrun.commands.rungs import decide, skip
+
+                decision = decide(config)
+                if decision.skip is not None:
+                    skip(config, run_dir, overrides, decision.skip)
+                    return
+                overrides = [*overrides, *decision.turned_off]
+            if hc.mode == RunMode.MULTIRUN:
                 config = _with_planned_budget(config, Path(hc.sweep.dir))
             if config.distributed in PARALLEL and config.nproc > 1 and world_size() == 1:
                 code = run_sweep_job_on_ranks(config, overrides, run_dir, sweep_args=args, search_root=search_root)
@@ -350,7 +359,12 @@ def _run_app(args: list[str], search_root: Path | None) -> int:
                 log.info(f"run dir {shown_path(run_dir)}")
                 search = RunSearch(search_root, job_config(cfg), run_dir) if search_root is not None else None
                 try:
-                    run(config, run_dir, overrides=overrides, search=search, sweep_args=args)
+                    if config.ablation.rung:
+                        from perfrun.commands.rungs import run_rung
+
+                        run_rung(config, run_dir, overrides=overrides, search=search, sweep_args=args)
+                    else:
+                        run(config, run_dir, overrides=overrides, search=search, sweep_args=args)
                 finally:
                     log.info(f"run dir {shown_path(run_dir)}: {_contents(run_dir)}")
         except (ConfigError, RunFailed) as e:

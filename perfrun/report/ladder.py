@@ -115,7 +115,7 @@ class _Rungs:
 
     def applicable(self, rung: str) -> bool:
         """Whether the rung's knob acts on the sweep's device: its jobs were not skipped (the
-        job decides, perfrun/device_conditions.py: rung_applies), and, for a sweep whose jobs ran
+        ladder's own code decides, perfrun/commands/rungs.py), and, for a sweep whose jobs ran
         every rung, ``acts_on`` names the device (fp8: a CUDA device whose jobs ran)."""
         rows = self.by_rung.get(rung, [])
         if rows and all(r.status == "skipped" for r in rows):
@@ -179,8 +179,9 @@ def _entry(rs: _Rungs, rung: str, against: Spread | None = None, base: Spread | 
 
 
 def _verdict(rs: _Rungs, rung: str, e: dict[str, Any], eff: Effect) -> str:
-    if not e["applicable"]:
-        return f"not applicable on {rs.device}: {e['why']}"
+    if not e["applicable"]:  # the skipped jobs' own reason (the device's or the model's), else the device's
+        skipped = next((r.reason for r in rs.by_rung.get(rung, []) if r.status == "skipped" and r.reason), None)
+        return skipped or f"not applicable on {rs.device}: {e['why']}"
     if e["n"] == 0:
         if e["contended"]:
             return f"not ranked: all {e['contended']} job(s) shared the machine (contended)"
@@ -244,6 +245,19 @@ def ladders(report: Report, *, loss_window: float = DEFAULT_LOSS_WINDOW) -> list
     return out
 
 
+def _model(rs: _Rungs, rows: list[Row]) -> dict[str, Any]:
+    """Which model the ladder measured, from its first completed job (a run written before
+    the counted FLOPs used the formula)."""
+    for row in rows:
+        s = rs.summary(row)
+        if s.get("status") == "completed":
+            m = (s.get("config") or {}).get("model") or {}
+            return {"name": m.get("name", "?"), "target": m.get("target"), "class": s.get("model_class"),
+                    "params": s.get("params"), "flops_per_token": s.get("flops_per_token"),
+                    "flops_per_token_source": s.get("flops_per_token_source", "formula")}
+    return {}
+
+
 def _one_ladder(report: Report, root: str, rows: list[Row], window: float) -> dict[str, Any]:
     rs = _Rungs(report, rows, window)
     kinds = {rung: rs.meta(rung).get("kind") for rung in rs.by_rung}
@@ -275,7 +289,7 @@ def _one_ladder(report: Report, root: str, rows: list[Row], window: float) -> di
         "seed_gap": seed_gap, "machine_noise_pct": rs.floor, "machine_noise_source": rs.floor_source,
         "contended_jobs": [r.job for r in contended], "outliers": _outliers(rs),
         "top": top, "ladder": ladder, "alternatives": alternatives, "leave_one_out": without,
-        "tradeoffs": _tradeoffs(rs, top), "recommended": recommended,
+        "tradeoffs": _tradeoffs(rs, top), "recommended": recommended, "model": _model(rs, rows),
         "verdict": verdict_line(recommended, ladder[0]["peak_mem_mib"] if ladder else None),
         "notes": _notes(rs, rows, contended),
     }
