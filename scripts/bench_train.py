@@ -6,7 +6,8 @@
 
 Each pair runs perfrun (``perfrun.loop.run.run``: telemetry, guard, sinks, and for the
 ``on`` configurations the monitor and the progress bar as a terminal shows them) and a
-plain loop written directly against torch (same GPT class and init, same DataLoader order,
+plain loop written directly against torch (the same model, built by perfrun.models.build as
+perfrun builds it: GPT, Llama or your own; same init, same DataLoader order,
 same fused AdamW and schedule, same autocast dtype and compile choice, nothing else), each
 in a fresh Python process started the same way, with the same thread settings (OMP and MKL
 threads in the environment, ``torch.set_num_threads`` in the process; both are read back
@@ -66,10 +67,10 @@ from perfrun.devices import resolve_device  # noqa: E402
 from perfrun.distributed import seed_everything  # noqa: E402
 from perfrun.knobs.precision import DTYPES  # noqa: E402
 from perfrun.loop.optimizer import build_optimizer, build_scheduler  # noqa: E402
-from perfrun.models.gpt import GPT, GPTConfig, padded_vocab  # noqa: E402
+from perfrun.models.build import build_model  # noqa: E402
 
 SIZES = {"tiny": [], "4x256": ["model.n_layer=4", "model.n_head=4", "model.n_embd=256", "model.block_size=256",
-                               "dataloader.batch_size=8"]}
+                               "dataloader.batch_size=8"], "llama-tiny": ["model=llama-tiny"]}
 PRECISIONS = {"fp32": ["precision=none"], "bf16": ["precision=bf16"]}
 # on: what a user gets at a terminal (the monitor every 10 steps, the progress bar); off: both off
 DEFAULTS = {"on": ["monitor.every_n_steps=10", "progress=bar"], "off": ["monitor.every_n_steps=0", "progress=off"]}
@@ -85,9 +86,7 @@ def plain_loop(cfg: Any, warmup: int) -> dict[str, float]:
     seq_len = cfg.data.seq_len or cfg.model.block_size
     data = build_datasets(cfg.data, seq_len, cfg.seed)
     m = cfg.model
-    model = GPT(GPTConfig(vocab_size=padded_vocab(data.vocab_size), block_size=m.block_size, n_layer=m.n_layer,
-                          n_head=m.n_head, n_embd=m.n_embd, dropout=m.dropout, bias=m.bias,
-                          attention=cfg.attention)).to(device)
+    model = build_model(m, data.vocab_size, cfg.attention).to(device)  # the module perfrun trains
     opt, _ = build_optimizer(model, cfg.optim, device)
     sched = build_scheduler(opt, cfg.optim, cfg.max_steps)
     step_model = torch.compile(model) if cfg.compile else model
