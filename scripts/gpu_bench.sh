@@ -51,6 +51,8 @@
 #   speed-fp8      fp8 vs bf16 loss parity over 300 steps (pysource, synthetic), and gpt2's
 #                  fp8 vs bf16 tokens/s                                                    (~3 min)
 #   speed-fp8-size fp8 vs bf16 tokens/s on gpt2-medium and gpt2-large                     (~5 min)
+#   speed-llama    a Llama-3.2-1B-shaped model (block 2048, batch 4, synthetic tokens of its
+#                  vocabulary), bf16 + compile with and without FP8: tokens/s, MFU, memory (~5 min)
 #   all            every suite above, in that order
 #
 # The minutes are estimates for an H100/H200 (not measured yet). --dry-run prints the commands a
@@ -286,6 +288,12 @@ suite_speed_fp8_size() {  # fp8 vs bf16 tokens/s on the wider models
   done
 }
 
+suite_speed_llama() {  # the Llama family at a size where FP8 and compile matter: bf16 + compile, with and without FP8
+  sweep speed_llama_1b precision=bf16,fp8 model=llama-3.2-1b model.block_size=2048 data=synthetic \
+    data.vocab_size=128256 dataloader.batch_size=4 device=cuda compile=true max_steps=40 timing_warmup_steps=15 \
+    eval_every=0
+}
+
 # ---- smoke: every CUDA-only path once ------------------------------------------------------------
 SMOKE_BUDGET_S=${SMOKE_BUDGET_S:-480}
 TINY_CUDA="model=tiny data=synthetic dataloader.batch_size=16 device=cuda precision=bf16 max_steps=12 \
@@ -442,7 +450,7 @@ measured: $("$PY" scripts/smoke_note.py "$R/smoke_estimate_measured" peak_mem_mi
 }
 
 ALL="smoke tests gpu-check trainer monitor distributed compile-scope fsdp-cost generate speed speed-knobs speed-tiny \
-ladder-gpt2 ladder-tiny starvation speed-loss speed-fp8 speed-fp8-size"
+ladder-gpt2 ladder-tiny starvation speed-loss speed-fp8 speed-fp8-size speed-llama"
 SUITES=()
 for s in "$@"; do
   if [ "$s" = all ]; then SUITES+=($ALL); continue; fi
