@@ -268,7 +268,7 @@ def test_a_rung_that_cannot_act_here_is_skipped_and_shown_not_applicable(tmp_pat
     """FP8 on a CPU: the job trains nothing, says why in its summary, does not fail the
     sweep, and the ladder shows the rung as not applicable, never as a measurement."""
     from perfrun.commands.rungs import run_rung
-    from perfrun.report.sweep_callback import failed_jobs
+    from perfrun.commands.sweep_callback import failed_jobs
 
     from conftest import make_cfg
 

@@ -19,10 +19,10 @@ from hydra import compose, initialize_config_dir
 
 from perfrun import report
 from perfrun.commands.report import main as report_main
+from perfrun.commands.sweep_callback import failed_jobs
 from perfrun.commands.train import train_main
 from perfrun.commands.tune import kept_logging
 from perfrun.config import config_dir, register_configs
-from perfrun.report.sweep_callback import failed_jobs
 
 from conftest import REPO, TINY_MODEL, run_cli
 

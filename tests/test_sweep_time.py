@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from perfrun.commands import sweep_plan
 from perfrun.commands.train import train_main
 from perfrun.loop.budget import MIN_STEADY_STEPS
 from perfrun.loop.run import run
-from perfrun.report import sweep_plan
 
 from conftest import TINY_MODEL, make_cfg
 
@@ -36,8 +36,8 @@ def test_a_budget_stops_the_job_after_warmup_and_enough_steady_steps(tmp_path: P
     assert [r["steady_tokens_per_s"] is None for r in rows if r.get("kind") == "train"] == [True, False, False, False]
 
 
-def _plan(naive_step: float, bf16_step: float) -> sweep_plan.Plan:
-    plan = sweep_plan.Plan(kinds=["none/eager", "bf16/eager", None, "bf16/eager"], steps=[100] * 4)
+def _plan(naive_step: float, bf16_step: float) -> sweep_plan.SweepPlan:
+    plan = sweep_plan.SweepPlan(kinds=["none/eager", "bf16/eager", None, "bf16/eager"], steps=[100] * 4)
     plan.timings = {"none/eager": sweep_plan.Timing(1.0, 0.5, naive_step, 0.2),
                     "bf16/eager": sweep_plan.Timing(1.0, 2.0, bf16_step, 0.2)}
     return plan

@@ -107,7 +107,7 @@ def _write_files(args: argparse.Namespace, report: Report) -> list[Path]:
 
 def _resume_hints(paths: list[str]) -> None:
     """A stopped sweep: the one command that runs the jobs it did not finish."""
-    from perfrun.report.sweep_callback import resume_command, unfinished
+    from perfrun.commands.sweep_callback import resume_command, unfinished
 
     for given in paths:
         left = unfinished(Path(given))

@@ -13,8 +13,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from perfrun.commands.sweep_callback import resume_command
 from perfrun.console import composition_error
-from perfrun.report.sweep_callback import resume_command
 
 STOP_CODES = (128 + signal.SIGINT, 128 + signal.SIGTERM)
 

@@ -120,7 +120,7 @@ def _failed_jobs(in_process: list[str], sweep_dir: str | None) -> list[str]:
     job in another process (slurm, slurm_local) leaves them."""
     if in_process or sweep_dir is None:
         return in_process
-    from perfrun.report.sweep_callback import failed_jobs
+    from perfrun.commands.sweep_callback import failed_jobs
 
     return failed_jobs(Path(sweep_dir))
 
@@ -411,7 +411,7 @@ def _measured_before(cfg: TrainConfig, run_dir: Path, overrides: list[str]) -> b
 def _with_planned_budget(cfg: TrainConfig, sweep_dir: Path) -> TrainConfig:
     """The job with the time budget the sweep's calibration gives its rung kind in
     ``ablation.budget_s``, unless the command line set one."""
-    from perfrun.report.sweep_plan import budget_for
+    from perfrun.commands.sweep_plan import budget_for
 
     planned = budget_for(sweep_dir, cfg) if cfg.ablation.budget_s is None else None
     if planned is None:

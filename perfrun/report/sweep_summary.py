@@ -1,5 +1,5 @@
 """The files a sweep leaves in its folder when it ends (written by the Hydra callback,
-:class:`perfrun.report.sweep_callback.SweepSummary`): CSV, JSON and PNG, from the same :func:`load` and
+:class:`perfrun.commands.sweep_callback.SweepSummary`): CSV, JSON and PNG, from the same :func:`load` and
 renderers as ``perfrun report``, so the report of a sweep dir reproduces them byte for byte."""
 
 from __future__ import annotations

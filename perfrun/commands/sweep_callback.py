@@ -113,7 +113,7 @@ def _estimate(config: DictConfig) -> Any:
 
     from rich.console import Console
 
-    from perfrun.report import sweep_plan
+    from perfrun.commands import sweep_plan
 
     try:
         jobs = sweep_plan.sweep_jobs(config)
