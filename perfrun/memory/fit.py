@@ -29,7 +29,8 @@ def parse_size(text: str, key: str = "memory.size") -> int:
 
 
 def gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB"
+    """Bytes in GiB, or MiB below one GiB."""
+    return f"{n / 2**30:.2f} GiB" if abs(n) >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def memory_limit(size: str | None) -> tuple[int | None, str]:
