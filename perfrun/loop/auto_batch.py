@@ -55,6 +55,7 @@ from torch.utils._pytree import tree_leaves
 
 from perfrun.config import ConfigError
 from perfrun.knobs import compilation
+from perfrun.memory.preflight import auto_batch_start
 
 log = logging.getLogger("perfrun")
 
@@ -321,12 +322,14 @@ def resolve_auto_batch(
         cap, cap_source = int(dl.max_batch_size), "dataloader.max_batch_size"
     budget = None if budget_mib is None else int(budget_mib * MIB)
     trial = StepTrial(plan.raw_model, optimizer, plan.forward_context, device, seq_len, vocab_size, budget)
+    limit = budget if budget is not None else torch.cuda.get_device_properties(device).total_memory
+    estimated, how = auto_batch_start(cfg, vocab_size, limit, cap)  # the search starts where the estimate says
     rng = _rng_state(device)
     t0 = time.perf_counter()
     try:
         with compilation.eager():  # each trial's batch would compile anew (scope=blocks compiles in place)
             trial.prime()
-            result = search(trial, start=1, cap=cap, margin=float(dl.batch_margin))
+            result = search(trial, start=estimated or 1, cap=cap, margin=float(dl.batch_margin))
     except NoBatchFits:
         where = f"the budget of {budget_mib:,.0f} MiB" if budget_mib is not None else f"{device}'s memory"
         raise ConfigError(
@@ -353,6 +356,8 @@ def resolve_auto_batch(
         "method": method,
         "trials": [[b, ok, trial.peak_mib.get(b)] for b, ok in result.trials],
         "search_s": round(seconds, 3),
+        "estimate": {"largest_batch": estimated, "how": how, "measured": False,
+                     "off_pct": 100 * (estimated / result.max_fit - 1) if estimated else None},
     }
     fail = f", first failing {result.first_fail}" if result.first_fail is not None else ""
     log.info(
@@ -360,4 +365,7 @@ def resolve_auto_batch(
         f"stopped by {stopped_by}, margin {result.margin:.0%}) after {len(result.trials)} trials in {seconds:.1f} s; "
         f"memory: {method}"
     )
+    if estimated:
+        log.info(f"batch_size=auto: the estimate said {estimated} fits ({how}); the search found {result.max_fit} "
+                 f"({notes['estimate']['off_pct']:+.0f} %)")
     return notes

@@ -16,6 +16,7 @@ from perfrun.data import build_datasets, build_loader
 from perfrun.environment import device_name
 from perfrun.knobs import Plan, apply_knobs, fp8, fsdp
 from perfrun.loop.optimizer import build_optimizer, build_scheduler
+from perfrun.memory.preflight import train_preflight
 from perfrun.models.build import build_model
 from perfrun.summary import RunSummary
 from perfrun.telemetry.mfu import mfu_dtype, resolve_peak
@@ -54,6 +55,7 @@ def setup(cfg: Any, stack: ExitStack) -> Setup:
     data = build_datasets(cfg.data, seq_len, cfg.seed)
     cfg.data.tokenizer, cfg.data.vocab_size = data.tokenizer, data.vocab_size  # what the ids are, recorded with the run
     log.info(data.description)
+    memory_estimate = train_preflight(cfg, data.vocab_size, device, world) if rank == 0 else None
 
     m = cfg.model
     model = build_model(m, data.vocab_size, cfg.attention).to(device)
@@ -83,6 +85,7 @@ def setup(cfg: Any, stack: ExitStack) -> Setup:
         "vocab_size": data.vocab_size, "vocab_size_padded": model.config.vocab_size, "seq_len": seq_len,
         "tokens_per_step": tokens_per_step, "flops_per_token": throughput.flops_per_token, **peak.facts(),
         "data": data.description, "batch_size_auto": auto_batch, "memory_snapshot": snapshot,
+        "memory_estimate": memory_estimate,
     }
     log.info(
         f"model {m.name}: {facts['params'] / 1e6:.2f}M parameters, seq_len {seq_len}, "

@@ -101,6 +101,7 @@ def estimate(cfg: Any, vocab_size: int, *, batch_size: int | None = None, top: i
     run_cfg, not_counted = _estimated_config(cfg, device, target)
     world = int(cfg.nproc) if cfg.distributed == "fsdp" else 1
     with ExitStack() as stack:
+        stack.enter_context(torch.random.fork_rng(devices=[]))  # the run's random stream stays as it was
         if world > 1:
             stack.enter_context(fake_process_group(world))
         tracker = stack.enter_context(_steps(run_cfg, device, vocab_size, batch, seq_len, not_counted))
