@@ -16,6 +16,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 
 from perfrun import device_conditions as resolvers
+from perfrun.memory.config import MemoryConfig
 
 
 class ConfigError(ValueError):
@@ -140,16 +141,6 @@ class MonitorConfig:
     every_n_steps: int = 10  # NVML and host telemetry; 0 turns it off
     sample_interval_s: float = 0.1  # background sampler period
     pcie: bool = False  # PCIe throughput: each NVML call blocks ~20 ms
-
-
-@dataclass
-class MemoryConfig:
-    """Where the memory goes (perfrun/telemetry/memory_breakdown.py) and whether it will fit
-    (perfrun/memory/): the tracked step of a run, the estimate said before step 1."""
-
-    breakdown: bool = False  # one step after the warm-up runs under torch's memory tracker
-    estimate: bool | None = None  # the estimate in the log's first lines; null: on CUDA only
-    size: str | None = None  # the memory to fit into, e.g. 80GiB; null: the visible GPU's
 
 
 @dataclass
@@ -363,10 +354,6 @@ def validate(cfg: Any) -> None:
         )
     check_distributed(cfg)
     _check_mfu_peak(str(cfg.mfu.peak))
-    if cfg.memory.size is not None:
-        from perfrun.memory.fit import parse_size
-
-        parse_size(str(cfg.memory.size))
 
 
 def _check_keys_and_choices(cfg: Any) -> None:

@@ -54,13 +54,15 @@ class Estimate:
     target: str  # the device estimated for: cpu | cuda
     not_counted: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    measured: bool = False  # True only for fake=False: the same steps on real tensors
 
     @property
     def peak_bytes(self) -> int:
         return self.breakdown.peak_bytes
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kind": "estimate", "measured": False, "method": f"fake tensors + {self.breakdown.method}",
+        return {"kind": "measurement" if self.measured else "estimate", "measured": self.measured,
+                "method": ("real tensors + " if self.measured else "fake tensors + ") + self.breakdown.method,
                 "batch_size": self.batch_size, "seq_len": self.seq_len, "micro_steps": self.micro_steps,
                 "world": self.world, "target": self.target, "peak_bytes": self.peak_bytes,
                 **{k: v for k, v in self.breakdown.to_dict().items() if k not in ("peak_bytes", "method")},
@@ -87,9 +89,10 @@ def target_device(cfg: Any) -> tuple[torch.device, str]:
     return torch.device("cpu"), "cuda" if wants_cuda else "cpu"
 
 
-def estimate(cfg: Any, vocab_size: int, *, batch_size: int | None = None, top: int = 10) -> Estimate:
+def estimate(cfg: Any, vocab_size: int, *, batch_size: int | None = None, top: int = 10, fake: bool = True) -> Estimate:
     """The peak of two optimizer steps of ``cfg`` at ``batch_size`` (default the config's),
-    under fake tensors. Raises EstimateError with one line where it cannot."""
+    under fake tensors. Raises EstimateError with one line where it cannot. ``fake=False``
+    takes the same steps on real tensors: a measurement (what the tests hold the estimate to)."""
     missing = tracker_missing()
     if missing is not None:
         raise EstimateError(f"the estimate needs torch's memory tracker: {missing}; the measured peak of a run "
@@ -104,10 +107,10 @@ def estimate(cfg: Any, vocab_size: int, *, batch_size: int | None = None, top: i
         stack.enter_context(torch.random.fork_rng(devices=[]))  # the run's random stream stays as it was
         if world > 1:
             stack.enter_context(fake_process_group(world))
-        tracker = stack.enter_context(_steps(run_cfg, device, vocab_size, batch, seq_len, not_counted))
+        tracker = stack.enter_context(_steps(run_cfg, device, vocab_size, batch, seq_len, fake))
         result = tracker.breakdown(top)
     return Estimate(result, batch, seq_len, int(cfg.accumulation.steps), world, target, not_counted,
-                    time.perf_counter() - t0)
+                    time.perf_counter() - t0, measured=not fake)
 
 
 def _estimated_config(cfg: Any, device: torch.device, target: str) -> tuple[TrainConfig, list[str]]:
@@ -132,7 +135,7 @@ def _estimated_config(cfg: Any, device: torch.device, target: str) -> tuple[Trai
 
 @contextmanager
 def _steps(cfg: Any, device: torch.device, vocab_size: int, batch: int, seq_len: int,
-           notes: list[str]) -> Iterator[Tracker]:
+           fake: bool) -> Iterator[Tracker]:
     """Build everything under fake tensors and run two optimizer steps under the tracker;
     yield the tracker (its figures stay readable after the fake mode ends)."""
     from perfrun.knobs import apply_knobs
@@ -141,7 +144,7 @@ def _steps(cfg: Any, device: torch.device, vocab_size: int, batch: int, seq_len:
 
     with ExitStack() as stack:
         stack.enter_context(_quiet_knob_logs())
-        mode = stack.enter_context(fake_mode())
+        mode = stack.enter_context(fake_mode()) if fake else None
         with device:  # built where it runs: a fake model cannot be moved (its tensors are swapped)
             model = build_model(cfg.model, vocab_size, cfg.attention)
         with unfaked(mode):  # FSDP2 builds its device mesh from real tensors; the parameters stay fake
@@ -152,19 +155,25 @@ def _steps(cfg: Any, device: torch.device, vocab_size: int, batch: int, seq_len:
         params = [p for p in plan.raw_model.parameters() if p.requires_grad]
         clip = float(cfg.optim.grad_clip) if cfg.optim.grad_clip > 0 else float("inf")
         tracker = Tracker(plan.raw_model, optimizer, fsdp=cfg.distributed == "fsdp")
-        try:
-            with tracker:
+        with tracker:
+            try:
                 for _ in range(2):  # the second step holds the optimizer state the first created
                     _fake_step(plan, optimizer, params, clip, batch, seq_len, vocab_size, device, tracker)
-        except Exception as e:
-            op = data_dependent_op(e)
-            if op is None:
-                raise EstimateError(f"the estimate failed: {type(e).__name__}: {str(e).strip().splitlines()[0]}"
-                                    if str(e).strip() else f"the estimate failed: {type(e).__name__}") from e
-            where = (tracker.active_modules() or ["the training step"])[-1]
-            raise EstimateError(f"the estimate cannot run {op} in {where} under fake tensors: its result depends on "
-                                "the data; measure this configuration with perfrun train memory.breakdown=true") from None
+            except Exception as e:  # noqa: BLE001 - said in one line, with the module it ran in
+                raise _one_line(e, tracker.active_modules()) from e
         yield tracker
+
+
+def _one_line(e: BaseException, modules: list[str]) -> EstimateError:
+    """What failed under fake tensors, in one line: a data-dependent operation by name and
+    the module it ran in."""
+    op = data_dependent_op(e)
+    if op is None:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        return EstimateError(f"the estimate failed: {type(e).__name__}: {first}")
+    where = modules[-1] if modules else "the training step (outside any module)"
+    return EstimateError(f"the estimate cannot run {op} in {where} under fake tensors: its result depends on the "
+                         "data; measure this configuration with perfrun train memory.breakdown=true")
 
 
 def _fake_step(plan: Any, optimizer: torch.optim.Optimizer, params: list[torch.Tensor], clip: float, batch: int,

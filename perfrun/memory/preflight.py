@@ -41,7 +41,10 @@ def wanted(cfg: Any, device: torch.device, world: int) -> str | None:
 
 def train_preflight(cfg: Any, vocab_size: int, device: torch.device, world: int) -> dict[str, Any] | None:
     """The estimate's line in the train log, and a warning when it will not fit; the
-    estimate for summary.json (``memory_estimate``), None when not made."""
+    estimate for summary.json (``memory_estimate``), None when not made. A ``memory.size``
+    that is not a size is refused here, before any work, whether or not an estimate is made."""
+    if cfg.memory.size is not None:
+        parse_size(str(cfg.memory.size))
     if wanted(cfg, device, world) is not None:
         return None
     try:

@@ -105,20 +105,38 @@ class Tracker:
             self._mt.track_external(model, *([optimizer] if optimizer is not None else []))
 
     def __enter__(self) -> Tracker:
+        from torch.nn.modules.module import (
+            register_module_forward_hook,
+            register_module_forward_pre_hook,
+        )
+
+        names = {id(m): name or type(m).__name__ for name, m in self.model.named_modules()}
+        self._running: list[str] = []  # the modules whose forward has begun and not ended (kept on an error)
+
+        def began(m: nn.Module, _args: Any) -> None:
+            self._running.append(names.get(id(m), type(m).__name__))
+
+        def ended(_m: nn.Module, _args: Any, _out: Any) -> None:  # returns None: the output stays
+            if self._running:
+                self._running.pop()
+
+        self._hooks = [register_module_forward_pre_hook(began), register_module_forward_hook(ended)]
         self._mt.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._mt.__exit__(*exc)
+        for h in self._hooks:
+            h.remove()
 
     def new_step(self) -> None:
         """Forget the modules' figures of the steps so far (the peak stays the run's)."""
         self._mt.reset_mod_stats()
 
     def active_modules(self) -> list[str]:
-        """The modules running now, innermost last: names the module where an operator failed."""
-        parents = getattr(getattr(self._mt, "_mod_tracker", None), "parents", None) or set()
-        return sorted((str(p) for p in parents if p != "Global"), key=len)
+        """The modules whose forward was running, innermost last: after an operator failed,
+        where it failed."""
+        return list(getattr(self, "_running", []))
 
     def breakdown(self, top: int = 10) -> Breakdown:
         """The peak by category and the ``top`` modules holding most, as counted so far."""
@@ -197,6 +215,9 @@ def unfaked(mode: Any) -> Iterator[None]:
     from real ones); the fake tensors made so far stay fake."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+    if mode is None:
+        yield
+        return
     with unset_fake_temporarily():
         yield
 
