@@ -15,10 +15,10 @@ import torch
 
 from perfrun.commands import estimate as estimate_command
 from perfrun.memory.estimate import EstimateError, estimate
-from perfrun.memory.fit import largest_batch, parse_size, what_fits
+from perfrun.memory.fit import largest_batch, parse_size
 from perfrun.telemetry.memory_tracker import CATEGORIES
 
-from conftest import make_cfg
+from conftest import TINY_MODEL, make_cfg
 
 VOCAB = 256
 SMALL = ["data=synthetic", f"data.vocab_size={VOCAB}"]
@@ -83,14 +83,6 @@ def test_the_largest_batch_fits_and_one_more_does_not() -> None:
     assert runs <= 6
 
 
-def test_a_configuration_that_does_not_fit_is_told_the_knob_that_would() -> None:
-    cfg = make_cfg(*SMALL, "dataloader.batch_size=8")
-    peak = estimate(cfg, VOCAB, top=0).peak_bytes
-    fixes = {f.overrides: f for f in what_fits(cfg, VOCAB, int(peak * 0.7))}
-    assert fixes["checkpointing=full"].fits and fixes["checkpointing=full"].peak_bytes < peak * 0.7
-    assert not fixes["precision=bf16"].error  # estimated, whether or not it fits
-
-
 def test_a_data_dependent_operation_fails_in_one_line_naming_it_and_the_module(monkeypatch: pytest.MonkeyPatch) -> None:
     from perfrun.models import build, gpt
 
@@ -119,15 +111,20 @@ def test_memory_sizes_are_parsed_or_refused() -> None:
         parse_size("80XB")
 
 
-def test_the_command_prints_an_estimate_and_what_would_fit(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+def test_the_command_prints_an_estimate_and_the_knob_that_would_fit(capsys: pytest.CaptureFixture[str],
+                                                                     tmp_path: Path) -> None:
+    words = [*SMALL, *TINY_MODEL, "dataloader.batch_size=8"]
+    peak = estimate(make_cfg(*words), VOCAB, top=0).peak_bytes
     out = tmp_path / "estimate.json"
-    code = estimate_command.main([*SMALL, "model.n_layer=2", "memory.size=3MiB", f"estimate.out={out}"])
+    code = estimate_command.main([*words, f"memory.size={int(peak * 0.7)}B", f"estimate.out={out}"])
     printed = capsys.readouterr().out
     assert code == 0
     assert printed.startswith("ESTIMATE, not a measurement") and "does NOT fit" in printed
     assert "makes it fit" in printed and "largest batch that fits" in printed
     doc = json.loads(out.read_text())
     assert doc["kind"] == "estimate" and doc["measured"] is False and doc["fits"] is False
-    assert any(k["fits"] for k in doc["knobs"]) and doc["largest_batch"]["batch_size"] >= 1
+    assert doc["peak_bytes"] == peak and 1 <= doc["largest_batch"]["batch_size"] < 8
+    knobs = {k["overrides"]: k for k in doc["knobs"]}
+    assert knobs["checkpointing=full"]["fits"] and knobs["checkpointing=full"]["peak_bytes"] < peak * 0.7
     assert estimate_command.main(["memory.size=lots"]) == 2
     assert "memory.size=lots is not a memory size" in capsys.readouterr().err
