@@ -87,8 +87,13 @@ class TrackedStep:
                 found = Breakdown({}, 0, method=f"peak only (no breakdown: {missing})", device=str(self.device))
             else:
                 tracker = Tracker(plan.raw_model, optimizer, fsdp=plan.sharded_state)
-                with tracker, _fresh_module_stats(plan, tracker):
-                    out = self.inner(step)
+                try:
+                    with tracker, _fresh_module_stats(plan, tracker):
+                        out = self.inner(step)
+                except torch.OutOfMemoryError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - the tracker failing must not end the run: said, step retaken
+                    return self._untracked(step, e)
                 found = tracker.breakdown(self.top)
         peak = measured["allocated"] + (0 if self.device.type == "cuda" else base)
         figures = {**found.to_dict(), "step": step, "measured_peak_bytes": peak,
@@ -104,6 +109,16 @@ class TrackedStep:
         log.info(one_line(f"memory at step {step}:", found.categories, figures["peak_bytes"])
                  if found.categories else f"memory at step {step}: peak {size(peak)} (peak only: no tracker)")
         return out
+
+    def _untracked(self, step: int, e: BaseException) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """The tracker failed inside the step (a compiled graph it cannot follow, say): the
+        step's gradients are dropped and it is taken again, untracked, on the next batch."""
+        reason = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:160]}"
+        log.warning(f"memory.breakdown: the tracker failed at step {step} ({reason}); that step was taken again "
+                    "without it on the next batch, and the run has no breakdown")
+        self.inner.optimizer.zero_grad(set_to_none=True)
+        self._store({"failed": reason, "step": step})
+        return self.inner(step)
 
     def _store(self, breakdown: dict[str, Any]) -> None:
         self.result = breakdown
