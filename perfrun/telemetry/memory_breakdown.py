@@ -95,6 +95,9 @@ class TrackedStep:
                 except Exception as e:  # noqa: BLE001 - the tracker failing must not end the run: said, step retaken
                     return self._untracked(step, e)
                 found = tracker.breakdown(self.top)
+                if plan.notes.get("checkpointed_blocks"):
+                    found.notes.append("activation checkpointing: the recomputed activations are counted as Temp "
+                                       "(the peak is right); read Activation + Temp")
         peak = measured["allocated"] + (0 if self.device.type == "cuda" else base)
         figures = {**found.to_dict(), "step": step, "measured_peak_bytes": peak,
                    "measured_peak_source": measured["source"], "measured": True}
