@@ -63,10 +63,10 @@ class EstimateCommand(HydraCommand):
 
 def run(cfg: EstimateJobConfig) -> int:
     """The estimate of ``cfg``: 0 printed (fitting or not), 1 when it cannot be made, 2 for a config error."""
-    from perfrun.memory.estimate import EstimateError
+    from perfrun.memory.estimate import EstimateError, variant
 
     try:
-        validate(cfg)
+        validate(variant(cfg, nproc=1))  # nproc ranks are estimated here, not started (no torchrun to check)
         document, lines = _estimate(cfg)
     except ConfigError as e:
         error(str(e))
