@@ -128,3 +128,18 @@ def test_the_command_prints_an_estimate_and_the_knob_that_would_fit(capsys: pyte
     assert knobs["checkpointing=full"]["fits"] and knobs["checkpointing=full"]["peak_bytes"] < peak * 0.7
     assert estimate_command.main(["memory.size=lots"]) == 2
     assert "memory.size=lots is not a memory size" in capsys.readouterr().err
+
+
+def test_the_train_log_says_the_estimate_and_warns_before_step_1(caplog: pytest.LogCaptureFixture) -> None:
+    from perfrun.memory.preflight import train_preflight
+
+    cpu = torch.device("cpu")
+    assert train_preflight(make_cfg(*SMALL), VOCAB, cpu, 1) is None  # off on the CPU unless asked
+    peak = estimate(make_cfg(*SMALL), VOCAB, top=0).peak_bytes
+    cfg = make_cfg(*SMALL, "memory.estimate=true", f"memory.size={int(peak * 0.8)}B")
+    with caplog.at_level("INFO", logger="perfrun"):
+        doc = train_preflight(cfg, VOCAB, cpu, 1)
+    assert doc is not None and doc["kind"] == "estimate" and doc["measured"] is False and doc["fits"] is False
+    said = [r for r in caplog.records if r.getMessage().startswith("memory ESTIMATE (not measured):")]
+    warned = [r for r in caplog.records if r.levelname == "WARNING" and "will not fit" in r.getMessage()]
+    assert len(said) == 1 and len(warned) == 1 and "makes it fit" in warned[0].getMessage()
