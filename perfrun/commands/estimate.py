@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -63,10 +63,10 @@ class EstimateCommand(HydraCommand):
 
 def run(cfg: EstimateJobConfig) -> int:
     """The estimate of ``cfg``: 0 printed (fitting or not), 1 when it cannot be made, 2 for a config error."""
-    from perfrun.memory.estimate import EstimateError, variant
+    from perfrun.memory.estimate import EstimateError
 
     try:
-        validate(variant(cfg, nproc=1))  # nproc ranks are estimated here, not started (no torchrun to check)
+        validate(replace(cfg, nproc=1))  # nproc ranks are estimated here, not started (no torchrun to check)
         document, lines = _estimate(cfg)
     except ConfigError as e:
         error(str(e))
