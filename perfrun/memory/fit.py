@@ -110,12 +110,15 @@ def knob_changes(cfg: Any) -> list[tuple[str, dict[str, Any]]]:
     return out
 
 
-def what_fits(cfg: Any, vocab_size: int, limit: int) -> list[KnobFit]:
-    """Each knob of :func:`knob_changes` estimated alone; an FSDP width is tried only until
-    one fits. An estimate that cannot be made is listed with its reason."""
+def what_fits(cfg: Any, vocab_size: int, limit: int, *, first: bool = False) -> list[KnobFit]:
+    """Each knob of :func:`knob_changes` estimated alone (``first``: until one fits); an
+    FSDP width is tried only until one fits. An estimate that cannot be made is listed with
+    its reason."""
     out: list[KnobFit] = []
     fsdp_fits = False
     for words, changes in knob_changes(cfg):
+        if first and any(f.fits for f in out):
+            break
         if words.startswith("distributed=fsdp") and fsdp_fits:
             continue
         try:

@@ -59,7 +59,7 @@ def train_preflight(cfg: Any, vocab_size: int, device: torch.device, world: int)
     if limit is not None:
         doc["fits"] = e.peak_bytes <= limit
         if not doc["fits"]:
-            fixes = what_fits(cfg, vocab_size, limit)
+            fixes = what_fits(cfg, vocab_size, limit, first=True)
             doc["advice"] = advice(e, limit, where, fixes)
             log.warning(f"this configuration will not fit: {doc['advice']}")
     return doc
@@ -87,7 +87,7 @@ def gpu_check_estimate(device: torch.device, bf16: bool) -> dict[str, Any]:
     if limit is not None:
         out["fits"] = e.peak_bytes <= limit
         if not out["fits"]:
-            out["advice"] = advice(e, limit, where, what_fits(cfg, 50257, limit))
+            out["advice"] = advice(e, limit, where, what_fits(cfg, 50257, limit, first=True))
     return out
 
 
