@@ -138,3 +138,12 @@ def test_the_ladder_names_the_category_a_memory_knob_freed(tmp_path: Path) -> No
     assert full["memory_verdict"] == "checkpointing=full freed 1.25 GiB of activations for 23 % of speed"
     png = memory_png(a)
     assert png is not None and png.startswith(b"\x89PNG")
+
+
+def test_without_the_tracker_a_run_reports_the_peak_only_marked_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                     one_thread: None) -> None:
+    monkeypatch.setattr(memory_tracker, "TRACKER_MODULE", "torch.distributed._tools.moved_away")
+    summary = run(make_cfg(*STEPS, "max_steps=4", "memory.breakdown=true"), tmp_path / "run")
+    b = summary["memory"]["breakdown"]
+    assert b["method"].startswith("peak only (no breakdown: torch.distributed._tools.moved_away is missing")
+    assert b["categories_bytes"] == {} and b["peak_bytes"] == b["measured_peak_bytes"] > 0

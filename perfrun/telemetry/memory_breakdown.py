@@ -98,7 +98,9 @@ class TrackedStep:
                 if plan.notes.get("checkpointed_blocks"):
                     found.notes.append("activation checkpointing: the recomputed activations are counted as Temp "
                                        "(the peak is right); read Activation + Temp")
-        peak = measured["allocated"] + (0 if self.device.type == "cuda" else base)
+        peak: int | None = measured["allocated"] + (0 if self.device.type == "cuda" else base)
+        if measured["source"].startswith("not measured"):
+            peak = None
         figures = {**found.to_dict(), "step": step, "measured_peak_bytes": peak,
                    "measured_peak_source": measured["source"], "measured": True}
         if "reserved_free" in measured:
@@ -110,7 +112,7 @@ class TrackedStep:
                          "measured_peak_bytes": peak, **{f"{c.lower()}_bytes": v for c, v in found.categories.items()},
                          **({"reserved_free_bytes": measured["reserved_free"]} if "reserved_free" in measured else {})})
         log.info(one_line(f"memory at step {step}:", found.categories, figures["peak_bytes"])
-                 if found.categories else f"memory at step {step}: peak {size(peak)} (peak only: no tracker)")
+                 if found.categories else f"memory at step {step}: peak {size(peak or 0)} (peak only: no tracker)")
         return out
 
     def _untracked(self, step: int, e: BaseException) -> tuple[torch.Tensor, torch.Tensor, float]:
@@ -172,6 +174,10 @@ def _measured_peak(device: torch.device) -> Iterator[dict[str, Any]]:
         allocated = torch.cuda.max_memory_allocated(device)
         out.update(allocated=allocated, source="torch.cuda.max_memory_allocated",
                    reserved_free=torch.cuda.max_memory_reserved(device) - allocated)
+        return
+    if torch.autograd.profiler._is_profiler_enabled:  # profile=true is recording: one profiler at a time
+        yield out
+        out.update(allocated=0, source="not measured: torch.profiler was already recording (profile=true)")
         return
     with _profiled() as peak:
         yield out
