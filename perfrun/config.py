@@ -2,21 +2,27 @@
 
 Hydra merges the YAML under ``conf/`` onto these dataclasses, so a wrong type or an
 unknown key fails at composition, before any work. What a type cannot say (a batch
-size below one, a sequence longer than the model) is checked by :func:`validate`.
+size below one, a sequence longer than the model) is checked by :func:`perfrun.validate.validate`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from hydra.core.config_store import ConfigStore
 
 from perfrun import device_conditions as resolvers
-from perfrun.memory.config import MemoryConfig
+from perfrun.model_schema import ModelConfig
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+
+Piece = TypeVar("Piece")
 
 
 class ConfigError(ValueError):
@@ -77,18 +83,6 @@ class AccumulationConfig:
 
 
 @dataclass
-class ModelConfig:
-    name: str = "tiny"
-    n_layer: int = 4
-    n_head: int = 4
-    n_embd: int = 128
-    block_size: int = 256
-    dropout: float = 0.0
-    bias: bool = True
-    init_from: str | None = None  # a Hugging Face GPT-2 folder whose weights start the run (perfrun/models/pretrained.py)
-
-
-@dataclass
 class DataConfig:
     name: str = "pysource"  # pysource | text | memmap | synthetic
     path: str | None = None  # text and memmap: a file or a folder
@@ -144,6 +138,16 @@ class MonitorConfig:
 
 
 @dataclass
+class MemoryConfig:
+    """Where the memory goes (perfrun/telemetry/memory_breakdown.py) and whether it will fit
+    (perfrun/loop/memory/): the tracked step of a run, the estimate said before step 1."""
+
+    breakdown: bool = False  # one step after the warm-up runs under torch's memory tracker
+    estimate: bool | None = None  # the estimate in the log's first lines; null: on CUDA only
+    size: str | None = None  # the memory to fit into, e.g. 80GiB; null: the visible GPU's
+
+
+@dataclass
 class MfuConfig:
     peak: str = "datasheet"  # datasheet | measured | a number in TFLOPS
 
@@ -192,7 +196,7 @@ class AblationConfig:
     """A job's place in the measured ladder (``+sweep=ablation``, conf/ablation/): read by
     perfrun report to build the ladder, leave-one-out and trade-off tables; training ignores it."""
 
-    rung: str = ""  # the rung's name; "" outside an ablation
+    rung: str = ""  # the rung's name; "" outside the ladder
     kind: str = ""  # ladder | without | alternative | tradeoff | seed
     step: int = 0  # ladder: its place from the naive trainer (0) up
     knob: str = ""  # without: the knob turned off; alternative: the rung it stands in for
@@ -297,8 +301,43 @@ CHOICES = {
 }
 
 
-def _get(cfg: Any, dotted: str) -> Any:
-    node = cfg
+def typed(composed: DictConfig) -> TrainConfig:
+    """The composed configuration (Hydra's DictConfig, its ``hydra`` node left out) as the
+    schema's dataclasses, once, at the top of a job: every function after takes a typed
+    piece of it. A key the schema lacks (``+key=value``) is refused here, where it is seen."""
+    from omegaconf import OmegaConf, open_dict
+
+    job = composed.copy()
+    with open_dict(job):
+        job.pop("hydra", None)
+    unknown = _unknown_keys(job, OmegaConf.structured(TrainConfig))
+    if unknown:
+        raise ConfigError(
+            f"{', '.join(unknown)}: not a key perfrun knows; remove it "
+            "(perfrun train --cfg job lists the keys)"
+        )
+    return OmegaConf.to_object(job)  # type: ignore[return-value]
+
+
+def as_dict(cfg: TrainConfig) -> dict[str, Any]:
+    """The configuration as plain containers: what summary.json and checkpoints record."""
+    return dataclasses.asdict(cfg)
+
+
+def from_record(piece: type[Piece], record: dict[str, Any]) -> Piece:
+    """A configuration piece from its part of a recorded configuration (a checkpoint's),
+    keeping the keys the schema has: a record written by an older or newer perfrun loads."""
+    known = {f.name for f in dataclasses.fields(piece)}  # type: ignore[arg-type]
+    return piece(**{k: v for k, v in record.items() if k in known})
+
+
+def select(cfg: TrainConfig, dotted: str) -> Any:
+    """The value at a dotted key (``model.n_layer``) of a typed configuration."""
+    return _get(cfg, dotted)
+
+
+def _get(root: object, dotted: str) -> Any:
+    node: Any = root
     for part in dotted.split("."):
         node = getattr(node, part)
     return node
@@ -315,186 +354,3 @@ def _unknown_keys(node: Any, schema: Any, prefix: str = "") -> list[str]:
         elif isinstance(schema[key], DictConfig):
             unknown += _unknown_keys(node[key], schema[key], f"{prefix}{key}.")
     return unknown
-
-
-def _check_batch_size(dl: Any) -> None:
-    """batch_size is an int >= 1 or "auto"; the auto options must make sense."""
-    b = dl.batch_size
-    if isinstance(b, int) and not isinstance(b, bool):
-        if b < 1:
-            raise ConfigError(
-                f"dataloader.batch_size={b} must be >= 1 (or auto); set dataloader.batch_size=1 or more, "
-                "or dataloader.batch_size=auto for the largest that fits"
-            )
-    elif b != "auto":
-        shown = str(b).lower() if isinstance(b, bool) else b
-        raise ConfigError(
-            f"dataloader.batch_size={shown} is neither a whole number nor auto; set e.g. dataloader.batch_size=8, "
-            "or dataloader.batch_size=auto for the largest that fits"
-        )
-    if dl.max_batch_size is not None and dl.max_batch_size < 1:
-        raise ConfigError(f"dataloader.max_batch_size={dl.max_batch_size} must be >= 1; set it to null for no cap")
-    if not 0.0 <= dl.batch_margin < 1.0:
-        raise ConfigError(f"dataloader.batch_margin={dl.batch_margin} must be in [0, 1); set it to 0.1 (10% below the limit)")
-    budget = dl.memory_budget_mib
-    if budget is not None and not (math.isfinite(budget) and budget > 0):
-        raise ConfigError(f"dataloader.memory_budget_mib={budget} must be a positive number of MiB, or null")
-
-
-def validate(cfg: Any) -> None:
-    """Check what the schema's types cannot; raise ConfigError with what, why and the fix."""
-    _check_keys_and_choices(cfg)
-    _check_minimums(cfg)
-    _check_dataloader(cfg.dataloader)
-    _check_model_and_data(cfg.model, cfg.data)
-    _check_optim(cfg.optim)
-    if cfg.checkpointing.name == "selective" and cfg.checkpointing.every_k < 1:
-        raise ConfigError(
-            "checkpointing=selective needs checkpointing.every_k>=1 (checkpoint every k-th block)"
-        )
-    check_distributed(cfg)
-    _check_mfu_peak(str(cfg.mfu.peak))
-
-
-def _check_keys_and_choices(cfg: Any) -> None:
-    from omegaconf import OmegaConf
-
-    if OmegaConf.is_config(cfg):
-        unknown = _unknown_keys(cfg, OmegaConf.structured(TrainConfig))
-        if unknown:
-            raise ConfigError(
-                f"{', '.join(unknown)}: not a key perfrun knows; remove it "
-                "(perfrun train --cfg job lists the keys)"
-            )
-    for key, allowed in CHOICES.items():
-        value = _get(cfg, key)
-        if str(value) not in allowed:
-            raise ConfigError(
-                f"{key}={value} is not an option; choose one of {', '.join(allowed)}"
-            )
-
-
-_MINIMUMS = (  # key, lowest value, why (said in the error)
-    ("dataloader.num_workers", 0, ""), ("accumulation.steps", 1, ""),
-    ("loss.chunk_size", 1, " (tokens per chunk of loss=chunked)"),
-    ("max_steps", 1, " (the number of optimizer steps to train)"), ("log_every", 1, ""), ("eval_every", 0, ""),
-    ("eval_batches", 1, ""), ("timing_warmup_steps", 0, ""), ("model.n_layer", 1, ""), ("model.n_head", 1, ""),
-    ("model.n_embd", 1, ""), ("model.block_size", 1, ""), ("monitor.every_n_steps", 0, ""),
-    ("optim.warmup_steps", 0, ""), ("checkpointing.every_k", 0, ""), ("checkpoint.every_n_steps", 0, ""),
-    ("checkpoint.keep_last", 1, ""), ("guard.max_bad_steps", 1, ""), ("profiler.start_step", 0, ""),
-    ("profiler.warmup", 0, ""), ("profiler.active", 1, ""), ("profiler.snapshot_entries", 1, ""),
-)
-
-
-def _check_minimums(cfg: Any) -> None:
-    _check_batch_size(cfg.dataloader)
-    for key, low, why in _MINIMUMS:
-        value = _get(cfg, key)
-        if value < low:
-            raise ConfigError(f"{key}={value} must be >= {low}{why}; set {key}={max(low, 1)} or more")
-
-
-def _check_dataloader(dl: Any) -> None:
-    if dl.prefetch_factor is not None:
-        if dl.num_workers == 0:
-            raise ConfigError(
-                f"dataloader.prefetch_factor={dl.prefetch_factor} needs worker processes but "
-                "dataloader.num_workers=0; set dataloader.num_workers>=1 or dataloader.prefetch_factor=null"
-            )
-        if dl.prefetch_factor < 1:
-            raise ConfigError(
-                f"dataloader.prefetch_factor={dl.prefetch_factor} must be >= 1; set it to 2 (torch's default)"
-            )
-    if dl.persistent_workers and dl.num_workers == 0:
-        raise ConfigError(
-            "dataloader.persistent_workers=true needs worker processes but dataloader.num_workers=0; "
-            "set dataloader.num_workers>=1 or dataloader.persistent_workers=false"
-        )
-
-
-def _check_model_and_data(m: Any, data: Any) -> None:
-    if m.n_embd % m.n_head != 0:
-        raise ConfigError(
-            f"model.n_embd={m.n_embd} is not divisible by model.n_head={m.n_head}; "
-            "pick n_embd as a multiple of n_head"
-        )
-    if not 0.0 <= m.dropout < 1.0:
-        raise ConfigError(f"model.dropout={m.dropout} must be in [0, 1); set model.dropout=0.0")
-
-    seq_len = data.seq_len
-    if seq_len is not None:
-        if seq_len < 1:
-            raise ConfigError(f"data.seq_len={seq_len} must be >= 1; set data.seq_len=null for the model's block_size")
-        if seq_len > m.block_size:
-            raise ConfigError(
-                f"data.seq_len={seq_len} is longer than model.block_size={m.block_size} "
-                f"(model={m.name} has {m.block_size} positions); set data.seq_len<={m.block_size} "
-                f"or model.block_size={seq_len}"
-            )
-    if not 0.0 < data.val_fraction < 1.0:
-        raise ConfigError(f"data.val_fraction={data.val_fraction} must be in (0, 1); set it to 0.1")
-    if data.vocab_size is not None and data.vocab_size < 2:
-        raise ConfigError(f"data.vocab_size={data.vocab_size} must be >= 2")
-    if data.name in ("text", "memmap") and not data.path:
-        raise ConfigError(
-            f"data={data.name} needs a file or folder; add data.path=/path/to/your/"
-            + ("text" if data.name == "text" else "train.bin")
-        )
-
-
-def _check_optim(o: Any) -> None:
-    for key in ("lr", "min_lr_ratio", "weight_decay", "beta1", "beta2", "eps", "grad_clip"):
-        value = getattr(o, key)
-        if not math.isfinite(value) or value < 0:
-            raise ConfigError(f"optim.{key}={value} must be a finite number >= 0; check the value you typed")
-    if o.lr == 0:
-        raise ConfigError("optim.lr=0 trains nothing; set optim.lr to a positive number such as 6e-4")
-    if not (0 <= o.beta1 < 1 and 0 <= o.beta2 < 1):
-        raise ConfigError(f"optim.beta1={o.beta1} and optim.beta2={o.beta2} must be in [0, 1)")
-
-
-def _check_mfu_peak(peak: str) -> None:
-    if peak not in ("datasheet", "measured"):
-        try:
-            ok = float(peak) > 0
-        except ValueError:
-            ok = False
-        if not ok:
-            raise ConfigError(
-                f"mfu.peak={peak} is neither datasheet, measured nor a positive number of TFLOPS"
-            )
-
-
-def check_distributed(cfg: Any, world: int | None = None) -> None:
-    """distributed and nproc against how this process was started (torchrun sets the
-    WORLD_SIZE and LOCAL_WORLD_SIZE environment variables; a plain process has neither).
-    ``world``: the size of the torchrun this process is about to start instead."""
-    import os
-
-    if world is None:
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
-    else:
-        local = world
-    if cfg.distributed not in CHOICES["distributed"]:
-        raise ConfigError(f"distributed={cfg.distributed} is not an option; choose one of "
-                          f"{', '.join(CHOICES['distributed'])}")
-    if cfg.nproc < 1:
-        raise ConfigError(f"nproc={cfg.nproc} must be >= 1; set nproc=1 or the number of processes to start")
-    if cfg.distributed == "none":
-        if cfg.nproc > 1:
-            raise ConfigError(f"nproc={cfg.nproc} needs distributed=ddp or fsdp (one process trains alone); "
-                              f"add distributed=ddp or set nproc=1")
-        if world > 1:
-            raise ConfigError(f"torchrun started {world} processes (WORLD_SIZE={world}) but distributed=none, so each "
-                              "would train alone and write the same files; add distributed=ddp")
-        return
-    if world == 1 and cfg.nproc > 1:
-        raise ConfigError(f"distributed={cfg.distributed} nproc={cfg.nproc}: this process was not started by torchrun; launch it "
-                          f"with perfrun train (which starts torchrun) or torchrun --nproc_per_node={cfg.nproc} -m perfrun train")
-    if world > 1 and cfg.nproc not in (1, local):
-        raise ConfigError(f"nproc={cfg.nproc} but torchrun started {local} processes on this machine; drop nproc "
-                          "under torchrun (its --nproc_per_node decides)")
-    if cfg.dataloader.batch_size == "auto" and world > 1:
-        raise ConfigError(f"dataloader.batch_size=auto is not supported with distributed={cfg.distributed} yet (each rank could "
-                          "choose another batch); give a number, e.g. one that perfrun train found on one process")

@@ -1,6 +1,6 @@
 """The one console: error and warning lines, the wide console for tables, the
-formatter that turns an exception into the one line a user reads, and the one that
-prints a figure that may be missing.
+formatter that turns an exception into the one line a user reads, the one that
+prints a figure that may be missing, and text quoted for Hydra's override grammar.
 
 Every command prints its errors through :func:`error` and its warnings through
 :func:`warn`, so a message is escaped for rich exactly once, whoever raised it.
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -79,3 +80,13 @@ def wide_console(renderables: Sequence[Any]) -> Console:
     wide = console.options.update(width=10_000)
     need = max(console.measure(t, options=wide).maximum for t in renderables)
     return Console(highlight=False, width=max(console.width, need))
+
+
+def hydra_quoted(text: str) -> str:
+    """``text`` as a single-quoted Hydra value that composes back to exactly ``text``:
+    backslashes before a quote, before ``${`` or at the end are doubled, quotes and ``${``
+    escaped (so nothing is read as an interpolation)."""
+    text = re.sub(r"(\\*)\$\{", lambda m: m.group(1) * 2 + "\\${", text)
+    text = re.sub(r"(\\*)'", lambda m: m.group(1) * 2 + "\\'", text)
+    text = re.sub(r"(\\+)$", lambda m: m.group(1) * 2, text)
+    return f"'{text}'"

@@ -1,6 +1,6 @@
 """OmegaConf resolvers the YAML uses to turn a knob on only where it can act.
 
-The ablation's rungs are written once for every device: ``${perfrun.if_cuda:${device},A,B}``
+The ladder's rungs are written once for every device: ``${perfrun.if_cuda:${device},A,B}``
 picks A where the job trains on CUDA (TF32, the compile mode that autotunes Triton kernels),
 ``${perfrun.if_fp8:${device},A,B}`` picks A where the GPU has FP8 tensor cores and torchao is
 installed (``precision=fp8``). Elsewhere the rung keeps B, its configuration equals the rung

@@ -3,10 +3,13 @@ state a job must leave as it found it."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import platform
 import socket
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -85,3 +88,28 @@ def _compiled_frame_count() -> int | None:
     from torch._dynamo import convert_frame
 
     return getattr(convert_frame, "FRAME_COUNTER", None)
+
+
+@contextlib.contextmanager
+def quiet_torchao() -> Iterator[None]:
+    """torchao logs a warning for each optional CUDA kernel library it cannot load on a
+    CPU-only machine; they are irrelevant to CPU int8 and would bury the output."""
+    loggers = [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, lvl in zip(loggers, levels, strict=True):
+            lg.setLevel(lvl)
+
+
+def torchao_available() -> bool:
+    """Whether torchao (the optional extra behind fp8 training and int8 inference) imports here."""
+    try:
+        with quiet_torchao():
+            import torchao.quantization  # noqa: F401
+    except ImportError:
+        return False
+    return True

@@ -21,7 +21,8 @@ class RunSummary(TypedDict, total=False):
     status: Status
     reason: str
     overrides: list[str]
-    config: dict[str, Any]
+    config: dict[str, Any]  # as composed, with the data's tokenizer and vocabulary and the batch size found
+    resolved: dict[str, Any]  # what setup found out: device, batch_size, tokenizer, vocab_size, vocab_size_padded
     rank: int
     world_size: int
     resumed_from: str | None

@@ -40,6 +40,7 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 from perfrun.config import (
     config_dir,  # noqa: E402
     register_configs,  # noqa: E402
+    typed,  # noqa: E402
 )
 from perfrun.loop.run import run  # noqa: E402
 
@@ -79,7 +80,7 @@ def run_job(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]:
                                           "progress=off", f"eval_every={args.steps}", "eval_batches=2",
                                           "checkpoint.at_end=false", "monitor.every_n_steps=0", *busy, *overrides])
     with tempfile.TemporaryDirectory() as d:
-        s = run(cfg, Path(d))
+        s = run(typed(cfg), Path(d))
     gpu = (s["knobs"].get("profile") or {}).get("gpu") or {}
     return {"tokens_per_s": s["tokens_per_s_median"], "step_ms": s["step_time_ms_median"], "mfu": s["mfu_median"],
             "peak_mem_mib": s["peak_mem_mib"], "first_step_s": s["first_step_s"],

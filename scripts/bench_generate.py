@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from hydra import compose, initialize_config_dir  # noqa: E402
 
 from perfrun.checkpoint import files as checkpoint  # noqa: E402
-from perfrun.config import config_dir, register_configs  # noqa: E402
+from perfrun.config import config_dir, register_configs, typed  # noqa: E402
 from perfrun.devices import resolve_device  # noqa: E402
 from perfrun.inference.generation import Generator  # noqa: E402
 from perfrun.inference.loading import Loaded, load_model  # noqa: E402
@@ -55,7 +55,7 @@ def make_checkpoint(folder: Path, device: torch.device, steps: int, overrides: l
             *model, "data=synthetic", f"device={device}", f"max_steps={steps}", "dataloader.batch_size=2",
             "eval_every=0", "eval_batches=1", "log_every=1", "monitor.every_n_steps=0", "progress=off",
             "checkpoint.at_end=true", *overrides])
-    run(cfg, folder)
+    run(typed(cfg), folder)
     return checkpoint.list_checkpoints(folder / "checkpoints")[-1]
 
 

@@ -25,6 +25,7 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 from perfrun.config import (
     config_dir,  # noqa: E402
     register_configs,  # noqa: E402
+    typed,  # noqa: E402
 )
 from perfrun.loop.run import run  # noqa: E402
 from perfrun.telemetry.step_metrics import median  # noqa: E402
@@ -48,7 +49,7 @@ def main() -> int:
                                                   "checkpoint.at_end=false", *args.overrides,
                                                   f"monitor.every_n_steps={every}"])
             with tempfile.TemporaryDirectory() as d:
-                s = run(cfg, Path(d))
+                s = run(typed(cfg), Path(d))
             mon = s.get("monitor") or {}
             rows.append({"repeat": r, "every_n_steps": every, "tokens_per_s": s["tokens_per_s_median"],
                          "step_ms": s["step_time_ms_median"], "monitor_overhead_s": mon.get("monitor_overhead_s"),

@@ -46,10 +46,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_train import plain_loop  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 
-from perfrun.config import config_dir, register_configs  # noqa: E402
+from perfrun.config import config_dir, register_configs, typed  # noqa: E402
 from perfrun.console import first_line  # noqa: E402
 from perfrun.devices import resolve_device  # noqa: E402
-from perfrun.inference.int8 import torchao_available  # noqa: E402
+from perfrun.environment import torchao_available  # noqa: E402
 from perfrun.knobs import fp8  # noqa: E402
 from perfrun.knobs.compilation import CUDA_GRAPH_MODES  # noqa: E402
 from perfrun.loop.run import run  # noqa: E402
@@ -62,7 +62,7 @@ COMPILE_MODES = ("max-autotune-no-cudagraphs", "reduce-overhead", "max-autotune"
 def compose_cfg(overrides: list[str]) -> Any:
     register_configs()
     with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
-        return compose("train", overrides=overrides)
+        return typed(compose("train", overrides=overrides))
 
 
 def skip_reason(knobs: list[str], base: Any, device: torch.device) -> str | None:

@@ -33,6 +33,7 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 from perfrun.config import (
     config_dir,  # noqa: E402
     register_configs,  # noqa: E402
+    typed,  # noqa: E402
 )
 from perfrun.data import build_datasets, build_loader  # noqa: E402
 from perfrun.devices import resolve_device  # noqa: E402
@@ -112,7 +113,7 @@ def main() -> int:
     rows: list[dict[str, Any]] = []
     for r in range(args.repeats):
         with tempfile.TemporaryDirectory() as d:
-            s = run(cfg, Path(d))
+            s = run(typed(cfg), Path(d))
         rows.append({"repeat": r, "impl": "perfrun", "tokens_per_s": s["tokens_per_s_mean"],
                      "step_ms": 1000 * s["tokens_per_step"] / s["tokens_per_s_mean"], "mfu": s["mfu_median"], "peak_mem_mib": s["peak_mem_mib"],
                      "device": s["environment"]["device_name"], "mfu_peak_source": s["mfu_peak_source"]})

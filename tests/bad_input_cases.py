@@ -83,6 +83,13 @@ CASES = [
                                                             "data.tokenizer={d}/bad_tokenizer.json"), "does not parse"),
     Case("init_from a folder that is not a GPT-2 checkpoint", ("train", "model.init_from={d}"), "has no config.json"),
     Case("init_from a GPT-2 of another shape", ("train", "model.init_from={d}/gpt2_config"), "use model=gpt2"),
+    Case("Llama query heads that key/value heads do not divide", ("train", "model=llama-tiny", "model.n_kv_head=3"),
+         "is not divisible by model.n_kv_head=3"),
+    Case("a Llama setting on a GPT", ("train", "model.n_kv_head=1"), "model.n_kv_head applies to family=llama"),
+    Case("init_from a Llama of another shape", ("train", "model=llama-tiny", "model.init_from={d}/llama_config"),
+         "use model=smollm2-135m"),
+    Case("init_from a Llama folder with a GPT model", ("train", "model.init_from={d}/llama_config"),
+         "which needs a Llama model group"),
     Case("prepare: corpus that does not exist", ("prepare", "path={d}/missing.txt", "out={d}/tokens"), "does not exist",
          small=False),
     Case("prepare: empty corpus", ("prepare", "path={d}/empty.txt", "out={d}/tokens"), "is empty", small=False),
@@ -162,6 +169,11 @@ def make_fixtures(d: Path, good_checkpoint: Path, small_checkpoint: Path) -> Non
     (d / "gpt2_config").mkdir()
     (d / "gpt2_config" / "config.json").write_text(json.dumps({
         "model_type": "gpt2", "n_layer": 12, "n_head": 12, "n_embd": 768, "n_positions": 1024, "vocab_size": 50257}))
+    (d / "llama_config").mkdir()  # SmolLM2-135M's config.json
+    (d / "llama_config" / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+        "num_attention_heads": 9, "num_key_value_heads": 3, "rope_theta": 100000, "rms_norm_eps": 1e-05,
+        "tie_word_embeddings": True, "max_position_embeddings": 8192, "vocab_size": 49152}))
     damaged_resumes(d, small_checkpoint)
 
 

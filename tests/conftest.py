@@ -15,7 +15,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from perfrun.config import config_dir, register_configs
+from perfrun.config import TrainConfig, config_dir, register_configs, typed
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -60,10 +60,11 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(before)
 
 
-def make_cfg(*overrides: str, tiny: bool = True) -> Any:
+def make_cfg(*overrides: str, tiny: bool = True) -> TrainConfig:
+    """A job's configuration as ``perfrun train`` makes it: composed from conf/, then typed."""
     register_configs()
     with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
-        return compose("train", overrides=(TINY if tiny else []) + list(overrides))
+        return typed(compose("train", overrides=(TINY if tiny else []) + list(overrides)))
 
 
 def _pythonpath() -> str:

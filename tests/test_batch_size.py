@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import json
 import math
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
 import torch
 
-from perfrun.config import ConfigError, validate
+from perfrun.config import ConfigError
 from perfrun.loop.auto_batch import LiveTensorMemory, NoBatchFits, search
 from perfrun.loop.run import run
+from perfrun.loop.setup import Resolved, setup
+from perfrun.loop.step import TrainStep
+from perfrun.validate import validate
 
 from conftest import make_cfg
 
@@ -98,8 +102,16 @@ def _train_losses(run_dir: Path) -> list[float]:
 
 def test_auto_on_cpu_respects_the_budget_and_leaves_the_run_untouched(tmp_path: Path) -> None:
     common = ["max_steps=4", "log_every=1", "timing_warmup_steps=1"]
-    auto = run(make_cfg(*common, "dataloader.batch_size=auto", "dataloader.memory_budget_mib=3"), tmp_path / "auto")
+    cfg = make_cfg(*common, "dataloader.batch_size=auto", "dataloader.memory_budget_mib=3")
+    auto = run(cfg, tmp_path / "auto")
     a = auto["batch_size_auto"]
+    # setup found the batch, the tokenizer and the vocabulary without writing them into the
+    # configuration: they are its own record, and the recorded config has them in place
+    assert cfg == make_cfg(*common, "dataloader.batch_size=auto", "dataloader.memory_budget_mib=3")
+    assert (cfg.dataloader.batch_size, cfg.data.vocab_size) == ("auto", None)
+    assert auto["resolved"] == {"device": "cpu", "batch_size": a["batch_size"], "tokenizer": "byte", "vocab_size": 256,
+                                "vocab_size_padded": auto["vocab_size_padded"]}
+    assert auto["config"]["data"]["tokenizer"] == "byte" and auto["config"]["data"]["vocab_size"] == 256
     trials = {b: (ok, peak) for b, ok, peak in a["trials"]}
     assert a["stopped_by"] == "memory" and a["method"].startswith("live tensor bytes")
     assert trials[a["max_fit"]][0] and trials[a["max_fit"]][1] <= 3
@@ -118,6 +130,28 @@ def test_auto_on_cpu_respects_the_budget_and_leaves_the_run_untouched(tmp_path: 
     ckpt = run(make_cfg("max_steps=1", "dataloader.batch_size=auto", "dataloader.memory_budget_mib=3",
                         "checkpointing=full"), None)
     assert ckpt["batch_size_auto"]["max_fit"] > a["max_fit"]
+
+
+def test_trials_take_the_trainers_step_and_give_back_the_schedule_and_loss_scale(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each trial is one call of the trainer's TrainStep (fp16: its scaled backward and the
+    scaler's update; its schedule step); after the search the weights, the schedule and the
+    loss scale are those of a run given the batch size."""
+    calls: list[int] = []
+    real_call = TrainStep.__call__
+    monkeypatch.setattr(TrainStep, "__call__", lambda self, step: calls.append(step) or real_call(self, step))
+    common = ["precision=fp16", "optim.warmup_steps=2", "data=synthetic", "data.vocab_size=64"]
+    with ExitStack() as stack:
+        auto = setup(make_cfg(*common, "dataloader.batch_size=auto", "dataloader.memory_budget_mib=64",
+                              "dataloader.max_batch_size=2"), stack, Resolved())
+        trials = auto.facts["batch_size_auto"]["trials"]
+        assert [b for b, _, _ in trials] == [1, 2] and len(calls) == 2
+        fixed = setup(make_cfg(*common, "dataloader.batch_size=2"), stack, Resolved())
+        assert auto.scheduler.state_dict() == fixed.scheduler.state_dict()
+        assert auto.plan.state_dict() == fixed.plan.state_dict() and auto.plan.state_dict() is not None
+        assert auto.optimizer.state_dict()["state"] == {}
+        pairs = zip(auto.plan.raw_model.parameters(), fixed.plan.raw_model.parameters(), strict=True)
+        assert all(torch.equal(a, b) for a, b in pairs)
 
 
 def test_auto_cap_stops_the_search(tmp_path: Path) -> None:

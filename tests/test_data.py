@@ -13,7 +13,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from omegaconf import OmegaConf
 from torch.utils.data import DataLoader
 
 from perfrun.config import ConfigError, DataConfig, DataLoaderConfig
@@ -347,7 +346,7 @@ def test_memmap_dataset_pickles_without_its_array_and_works_in_spawn(arange_bin:
 
 
 def test_synthetic_is_deterministic() -> None:
-    cfg = OmegaConf.structured(DataConfig(name="synthetic", vocab_size=1000))  # a DictConfig
+    cfg = DataConfig(name="synthetic", vocab_size=1000)
     a = build_datasets(cfg, 32, seed=5)
     b = build_datasets(cfg, 32, seed=5)
     c = build_datasets(cfg, 32, seed=6)

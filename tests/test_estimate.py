@@ -1,4 +1,4 @@
-"""The estimate before a run (perfrun/memory): fake tensors count the same bytes as the
+"""The estimate before a run (perfrun/loop/memory): fake tensors count the same bytes as the
 same steps on real tensors, category by category within 2 % (tiny, a GPT-2-wide model
 at a small batch and short block, checkpointing, chunked loss); FSDP2 over a fake process
 group divides the optimizer state by the ranks; the largest batch that fits and the knob
@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from perfrun.commands import estimate as estimate_command
-from perfrun.memory.estimate import EstimateError, estimate
-from perfrun.memory.fit import largest_batch, parse_size
+from perfrun.loop.memory.estimate import EstimateError, estimate
+from perfrun.loop.memory.fit import largest_batch, parse_size
 from perfrun.telemetry.memory_tracker import CATEGORIES
 
 from conftest import TINY_MODEL, make_cfg
@@ -131,7 +131,7 @@ def test_the_command_prints_an_estimate_and_the_knob_that_would_fit(capsys: pyte
 
 
 def test_the_train_log_says_the_estimate_and_warns_before_step_1(caplog: pytest.LogCaptureFixture) -> None:
-    from perfrun.memory.preflight import train_preflight
+    from perfrun.loop.memory.preflight import train_preflight
 
     cpu = torch.device("cpu")
     assert train_preflight(make_cfg(*SMALL), VOCAB, cpu, 1) is None  # off on the CPU unless asked

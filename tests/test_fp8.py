@@ -12,9 +12,15 @@ from typing import Any
 import pytest
 import torch
 import torch.nn as nn
-from omegaconf import OmegaConf
 
-from perfrun.config import ConfigError
+from perfrun.config import (
+    ConfigError,
+    DataConfig,
+    DataLoaderConfig,
+    ModelConfig,
+    PrecisionConfig,
+    TrainConfig,
+)
 from perfrun.knobs import Plan
 from perfrun.knobs.fp8 import RECIPES, apply, check, choose_layers, convert, inner_rows, refusal
 from perfrun.models.gpt import GPT, GPTConfig
@@ -25,12 +31,11 @@ from torchao.float8.float8_linear import Float8Linear  # noqa: E402
 BLOCK_LINEARS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 
 
-def fp8_cfg(recipe: str = "tensorwise", batch: Any = 4, seq_len: int | None = None) -> Any:
-    """The keys the fp8 knob reads, as the composed configuration holds them."""
-    return OmegaConf.create({
-        "precision": {"name": "fp8", "dtype": "bfloat16", "tf32": False, "recipe": recipe},
-        "dataloader": {"batch_size": batch}, "data": {"seq_len": seq_len}, "model": {"block_size": 32},
-    })
+def fp8_cfg(recipe: str = "tensorwise", batch: Any = 4, seq_len: int | None = None) -> TrainConfig:
+    """The pieces the fp8 knob reads, typed as a job's configuration is."""
+    return TrainConfig(precision=PrecisionConfig(name="fp8", dtype="bfloat16", tf32=False, recipe=recipe),
+                       dataloader=DataLoaderConfig(batch_size=batch), data=DataConfig(seq_len=seq_len),
+                       model=ModelConfig(block_size=32))
 
 
 def tiny_gpt(n_embd: int = 32) -> GPT:

@@ -1,6 +1,7 @@
-"""The house rules, checked over perfrun/'s source: no import cycle (lazy imports count), no
-private name imported across modules, no module over 500 lines, a training loop that fits on
-one screen. Each rule reads the real source, so breaking one fails here, not in a review."""
+"""The house rules, checked over perfrun/'s source: no import cycle (lazy imports count), imports
+between packages only in the directions :data:`MAY_IMPORT` allows, no private name imported
+across modules, no module over 500 lines, a training loop that fits on one screen. Each rule
+reads the real source, so breaking one fails here, not in a review."""
 
 from __future__ import annotations
 
@@ -8,6 +9,36 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "perfrun"
+
+# The allowed directions between perfrun's packages, written once (docs/architecture.md describes
+# them). The ground floor is perfrun's root modules: every package may import them, and they import
+# nothing but each other. A package imports its own modules, the ground floor and the packages named
+# here; any other arrow fails test_imports_follow_the_allowed_directions. An entry point (a
+# ``__main__`` module) is a command.
+GROUND = {"perfrun", "config", "model_schema", "validate", "console", "summary", "distributed", "devices", "device_conditions",
+          "environment"}
+LIBRARY = {"loop", "knobs", "models", "data", "checkpoint", "telemetry", "inference", "report", "prepare", "tune",
+           "gpucheck"}
+MAY_IMPORT: dict[str, set[str]] = {
+    "commands": LIBRARY,  # one thin module per command over the library
+    "loop": {"knobs", "models", "data", "checkpoint", "telemetry"},  # setup and the schedule
+    "knobs": {"models"},  # a knob acts on the model (the chunked loss on its head)
+    "inference": {"models", "data", "checkpoint"},  # a saved run, rebuilt and sampled
+    "prepare": {"data", "checkpoint"},  # a corpus written as the data sources read it
+    "gpucheck": {"telemetry"},  # the peaks and the NVML readings the trainer uses too
+    "report": {"checkpoint"},  # atomic writes
+    "telemetry": {"checkpoint"},  # atomic writes
+    "data": {"checkpoint"},  # atomic writes
+    "tune": set(),  # the search and its configuration; the command runs the trials
+    "models": set(),
+    "checkpoint": set(),  # saves Stateful parts: knows no class of the loop, the knobs or the models
+}
+# Arrows against the directions that stay until the work named beside them lands; each must still
+# exist (a mended one is taken off this list), and no other may join them.
+KNOWN_BREACHES = {
+    ("perfrun.models.pretrained", "perfrun.inference.hf_layout"):
+        "GPT-2's Hugging Face layout moves into models/ with the Llama family's, which rewrites both files",
+}
 
 
 def _modules() -> dict[str, Path]:
@@ -83,6 +114,79 @@ def test_no_import_cycle() -> None:
 
 def test_a_planted_cycle_is_found() -> None:
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def _package(module: str) -> str:
+    """``perfrun.loop.step`` -> loop; a root module is its own name; an entry point is a command."""
+    parts = module.split(".")
+    if parts[-1] == "__main__":
+        return "commands"
+    return parts[1] if len(parts) > 1 else "perfrun"
+
+
+def _breaches(graph: dict[str, set[str]]) -> list[str]:
+    """Every module arrow between packages that :data:`MAY_IMPORT` does not allow."""
+    out = []
+    for source, targets in graph.items():
+        for target in targets:
+            a, b = _package(source), _package(target)
+            allowed = a == b or b in GROUND or (a not in GROUND and b in MAY_IMPORT.get(a, set()))
+            if not allowed and (source, target) not in KNOWN_BREACHES:
+                out.append(f"{source} -> {target} ({a} may import {sorted(MAY_IMPORT.get(a, set())) or 'no package'})")
+    return sorted(out)
+
+
+def test_imports_follow_the_allowed_directions() -> None:
+    modules = _modules()
+    graph = {name: _imports(path, name, modules) for name, path in modules.items()}
+    assert _breaches(graph) == []
+    arrows = {(source, target) for source, targets in graph.items() for target in targets}
+    assert set(KNOWN_BREACHES) <= arrows  # a mended breach leaves the list
+    unknown = {_package(name) for name in modules} - GROUND - set(MAY_IMPORT)
+    assert unknown == set()  # a new package says what it may import
+
+
+def test_a_planted_arrow_against_the_directions_is_found() -> None:
+    graph = {"perfrun.knobs.fp8": {"perfrun.inference.int8", "perfrun.models.gpt", "perfrun.config"},
+             "perfrun.checkpoint.checkpointer": {"perfrun.loop.step"},
+             "perfrun.config": {"perfrun.models.gpt"},
+             "perfrun.gpucheck.__main__": {"perfrun.commands.gpu_check"}}
+    assert _breaches(graph) == [
+        "perfrun.checkpoint.checkpointer -> perfrun.loop.step (checkpoint may import no package)",
+        "perfrun.config -> perfrun.models.gpt (config may import no package)",
+        "perfrun.knobs.fp8 -> perfrun.inference.int8 (knobs may import ['models'])",
+    ]
+
+
+def test_the_directions_say_what_the_design_says() -> None:
+    """Commands use everything; the loop uses knobs, models, data, checkpoint, telemetry;
+    checkpoint, models, data and telemetry use none of loop, knobs or commands; knobs never
+    import inference; nothing in the library imports commands."""
+    assert MAY_IMPORT["commands"] == LIBRARY == set(MAY_IMPORT) - {"commands"}
+    assert MAY_IMPORT["loop"] == {"knobs", "models", "data", "checkpoint", "telemetry"}
+    assert all(not MAY_IMPORT[p] & {"loop", "knobs", "commands"} for p in ("checkpoint", "models", "data", "telemetry"))
+    assert "inference" not in MAY_IMPORT["knobs"]
+    assert all("commands" not in MAY_IMPORT[p] for p in LIBRARY)
+    assert _cycles({p: set(targets) for p, targets in MAY_IMPORT.items()}) == []  # the directions form layers
+
+
+# Where a knob module is named outside knobs/: setup runs fp8's and fsdp's checks before any data or
+# model is built, and evaluation and the batch-size trials run compiled code eagerly. A new knob
+# adds none: it is its module, its place in knobs.apply_knobs' order, its config group, its test
+# and its docs line (docs/architecture.md: adding a knob).
+KNOB_SEAMS = {"perfrun.loop.setup": {"fp8", "fsdp"}, "perfrun.loop.evaluation": {"compilation"},
+              "perfrun.loop.auto_batch": {"compilation"}}
+
+
+def test_knob_modules_are_named_only_inside_knobs_and_at_the_known_seams() -> None:
+    modules = _modules()
+    named = {}
+    for name, path in modules.items():
+        if _package(name) != "knobs":
+            knobs = {t.rpartition(".")[2] for t in _imports(path, name, modules) if t.startswith("perfrun.knobs.")}
+            if knobs:
+                named[name] = knobs
+    assert named == KNOB_SEAMS
 
 
 def test_no_private_name_crosses_modules() -> None:

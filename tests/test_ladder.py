@@ -88,7 +88,7 @@ def test_noise_floor_is_the_min_max_range() -> None:
 def test_the_ladder_from_planted_jobs(tmp_path: Path) -> None:
     plant_ladder(tmp_path)
     r = report.load([tmp_path])
-    (a,) = r.ablations
+    (a,) = r.ladders
     rungs = {e["rung"]: e for e in a["ladder"]}
     assert [e["rung"] for e in a["ladder"]] == ["naive", "tf32", "bf16", "sdpa", "compile"]
     assert rungs["bf16"]["n"] == 3 and rungs["bf16"]["tokens_per_s"] == 1500
@@ -133,7 +133,7 @@ def test_nothing_faster_than_the_naive_trainer_outside_the_noise_recommends_it(t
                           "sdpa": [900, 910, 905], "compile": [1010, 1050, 985]}.items():
             plant(tmp_path / str(n), rung, repeat, tps[repeat])
             n += 1
-    (a,) = report.load([tmp_path]).ablations
+    (a,) = report.load([tmp_path]).ladders
     rec = a["recommended"]
     assert rec["measured_as"] == "naive" and rec["knobs"] == [] and rec["fastest"] == "compile"
     assert rec["line"] == "perfrun train attention=eager"  # the naive trainer, from perfrun's defaults
@@ -143,10 +143,10 @@ def test_nothing_faster_than_the_naive_trainer_outside_the_noise_recommends_it(t
 def test_a_contended_job_is_marked_and_never_counted(tmp_path: Path) -> None:
     plant_ladder(tmp_path, contend="compile")
     r = report.load([tmp_path])
-    rungs = {e["rung"]: e for e in r.ablations[0]["ladder"]}
+    rungs = {e["rung"]: e for e in r.ladders[0]["ladder"]}
     assert rungs["compile"]["n"] == 2 and rungs["compile"]["contended"] == 1
     assert rungs["compile"]["tokens_per_s"] == pytest.approx(2975)  # 3000 and 2950, not the contended 3100
-    assert r.ablations[0]["notes"] == ["1 of 36 jobs shared the machine and are not counted (jobs 18); the first: "
+    assert r.ladders[0]["notes"] == ["1 of 36 jobs shared the machine and are not counted (jobs 18); the first: "
                                        "planted neighbour"]
     text = report.render_text(r, width=260)
     assert "2 (+1 contended)" in text
@@ -256,7 +256,7 @@ def test_loss_parity_calibrated_by_seeds_flags_a_10x_learning_rate_not_bf16(tmp_
     for n, (rung, extra) in enumerate(jobs):
         overrides = [f"+ablation={rung}", *extra, "max_steps=40", "log_every=4", "monitor.every_n_steps=0"]
         run(make_cfg(*overrides), tmp_path / str(n), overrides=overrides)
-    (a,) = report.load([tmp_path]).ablations
+    (a,) = report.load([tmp_path]).ladders
     rungs = {e["rung"]: e for e in a["ladder"]}
     assert a["seed_gap"] is not None and a["seed_gap"] > 0
     assert rungs["bf16"]["parity"] == "ok", (rungs["bf16"]["loss_rel_diff"], a["loss_tolerance"])
@@ -279,7 +279,7 @@ def test_a_rung_that_cannot_act_here_is_skipped_and_shown_not_applicable(tmp_pat
     assert written["status"] == "skipped" and written["config"]["precision"]["name"] == "bf16"
     assert not (tmp_path / "fp8" / "metrics.jsonl").exists()  # nothing trained
     assert failed_jobs(tmp_path) == []
-    (a,) = report.load([tmp_path]).ablations
+    (a,) = report.load([tmp_path]).ladders
     fp8 = next(e for e in a["ladder"] if e["rung"] == "fp8")
     assert not fp8["applicable"] and fp8["n"] == 0 and fp8["failed"] == 0 and fp8["tokens_per_s"] is None
     assert fp8["verdict"].startswith("not applicable on cpu: FP8 matmuls need FP8 tensor cores")
@@ -305,7 +305,7 @@ def test_loss_parity_holds_when_every_naive_job_shared_the_machine(tmp_path: Pat
         if s["config"]["ablation"]["rung"] == "naive":
             s["contention"] = {"contended": True, "evidence": ["planted neighbour"]}
             summary.write_text(json.dumps(s))
-    (a,) = report.load([tmp_path]).ablations
+    (a,) = report.load([tmp_path]).ladders
     rungs = {e["rung"]: e for e in a["ladder"]}
     assert rungs["naive"]["n"] == 0 and rungs["naive"]["contended"] == 3
     assert a["seed_gap"] == pytest.approx(0.01) and rungs["bf16"]["parity"] == "ok"

@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
+from perfrun.loop.memory.estimate import estimate
 from perfrun.loop.run import run
-from perfrun.memory.estimate import estimate
 from perfrun.telemetry import memory_tracker
 from perfrun.telemetry.memory_breakdown import one_line
 from perfrun.telemetry.memory_tracker import CATEGORIES
@@ -132,7 +132,7 @@ def test_the_ladder_names_the_category_a_memory_knob_freed(tmp_path: Path) -> No
     plant(tmp_path / "0", "compile", "ladder", "", 1000.0, 2 * gib, gib // 4)
     plant(tmp_path / "1", "checkpointing_full", "tradeoff", "checkpointing=full", 770.0, gib // 2, gib // 2)
     plant(tmp_path / "2", "largest_batch", "tradeoff", "checkpointing=none", 1100.0, 8 * gib, gib)
-    (a,) = report.load([tmp_path]).ablations
+    (a,) = report.load([tmp_path]).ladders
     assert a["ladder"][0]["memory_breakdown"]["categories_bytes"]["Activation"] == 2 * gib
     full = next(t for t in a["tradeoffs"] if t["setting"] == "checkpointing=full")
     assert full["memory_verdict"] == "checkpointing=full freed 1.25 GiB of activations for 23 % of speed"

@@ -11,9 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
-from perfrun.config import validate
+from perfrun.config import DataLoaderConfig
 from perfrun.data import ResumableSampler, build_loader
 from perfrun.data.synthetic import SyntheticTokens
 from perfrun.knobs import Plan, compilation
@@ -21,6 +20,7 @@ from perfrun.loop.run import run
 from perfrun.loop.step import BatchStream
 from perfrun.models.gpt import GPT, GPTConfig
 from perfrun.models.losses import build
+from perfrun.validate import validate
 
 from conftest import TINY_MODEL, losses, make_cfg, run_cli
 
@@ -102,8 +102,7 @@ def loader_of(n: int = 10, seq: int = 4, batch: int = 3) -> torch.utils.data.Dat
     """A real resumable loader over n windows (3 batches an epoch, one window left over)."""
     tokens = torch.arange(n * (seq + 1)).view(n, seq + 1)
     data = torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:])
-    return build_loader(data, OmegaConf.create({"batch_size": batch, "num_workers": 0, "pin_memory": False,
-                                                "persistent_workers": False}),
+    return build_loader(data, DataLoaderConfig(batch_size=batch, num_workers=0, pin_memory=False),
                         device_type="cpu", shuffle=True, seed=5)
 
 

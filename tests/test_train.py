@@ -109,7 +109,7 @@ def test_the_plans_step_without_fp16_is_a_plain_backward_clip_and_step() -> None
         opt_plain.zero_grad(set_to_none=True)
         assert torch.equal(norm_ours, norm_plain) and norm_ours > 0.5  # clipping did something
     assert all(torch.equal(a, b) for a, b in zip(ours.parameters(), plain.parameters(), strict=True))
-    assert not plan.skips_nonfinite_steps and plan.loss_scale() is None and plan.scaler_state() is None
+    assert not plan.skips_nonfinite_steps and plan.loss_scale() is None and plan.state_dict() is None
 
 
 def test_compile_runs_matches_eager_and_leaves_no_state(tmp_path: Path) -> None:

@@ -1,3 +1,3 @@
 """Saving and restoring a run: when to save, the file formats, safe loading, checkpoint
 names, the search for the run resume=auto continues, the run lock and atomic writes.
-May import config, console, summary, distributed and telemetry's sinks; never loop/ or knobs/."""
+Saves Stateful parts; imports only perfrun's root modules (never loop/, knobs/ or telemetry/)."""

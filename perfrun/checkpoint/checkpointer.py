@@ -1,12 +1,13 @@
 """Training-state checkpoints as a component of the loop: when to save, who writes, in which
 layout, and resume.
 
-The state is gathered from its parts: the model and optimizer (the plan's raw model),
-the schedule, fp16's loss scale, every random generator (each rank's), the data position
-(the batch stream), the tokens seen (the step metrics), the model's shape and the config.
-One process and DDP save one file that rank 0 writes (every rank holds the same weights);
-FSDP saves a folder into which every rank writes its shards. The file formats are in
-:mod:`perfrun.checkpoint.files`.
+The state is gathered from named parts, each :class:`~perfrun.checkpoint.stateful.Stateful`
+(``state_dict()`` / ``load_state_dict()``) and saved under its name: the model and optimizer,
+the schedule, the loss scale, the data position, the tokens seen (:data:`PARTS`); beside them
+every random generator (each rank's), the model's shape and the config. The checkpointer knows
+none of the loop's or the knobs' classes. One process and DDP save one file that rank 0 writes
+(every rank holds the same weights); FSDP saves a folder into which every rank writes its
+shards. The file formats are in :mod:`perfrun.checkpoint.files`.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ from __future__ import annotations
 import logging
 import time
 import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,27 +28,26 @@ from perfrun.checkpoint import files as checkpoint_files
 from perfrun.checkpoint.files import capture_rng, restore_rng
 from perfrun.checkpoint.resume_search import RunSearch, find_run
 from perfrun.checkpoint.run_lock import remove_temp_files
+from perfrun.checkpoint.stateful import Stateful
 from perfrun.config import ConfigError
 from perfrun.console import first_line
-from perfrun.knobs import Plan
-from perfrun.loop.step import BatchStream
-from perfrun.loop.stopping import NonFiniteGuard
 from perfrun.summary import RunSummary
-from perfrun.telemetry.sinks import RecordSink
-from perfrun.telemetry.step_metrics import StepMetrics
 
 log = logging.getLogger("perfrun")
 
 
 @dataclass
 class Start:
-    """Where the loop starts: step 0 for a fresh run, the checkpoint's step on resume."""
+    """Where the loop starts: step 0 for a fresh run, the checkpoint's step on resume (the
+    parts hold the rest: the data position, the tokens seen)."""
 
     step: int = 0
-    epoch: int = 0
-    consumed: int = 0
-    tokens: int = 0
     checkpoint: str | None = None
+
+
+# The parts a checkpoint holds, by their entry in the file, and what a user calls each one.
+PARTS = {"model": "model weights", "optimizer": "optimizer state", "scheduler": "learning-rate schedule",
+         "scaler": "loss scale", "data": "data position", "tokens": "count of tokens seen"}
 
 
 def checkpoint_folder(configured: str | None, run_dir: Path | None) -> Path | None:
@@ -63,28 +63,29 @@ def model_shape(model: torch.nn.Module) -> dict[str, int]:
             "vocab_size": c.vocab_size}
 
 
-@dataclass
-class Parts:
-    """What a checkpoint holds the state of, besides the random generators."""
-
-    plan: Plan
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    stream: BatchStream
-    metrics: StepMetrics
-
-
 class Checkpointer:
     """Saves on its cadence (``every_n_steps``, at the end, on a graceful stop) and resumes.
 
     Every rank calls every method: saving and resuming are collectives under several ranks.
     """
 
-    def __init__(self, cfg_checkpoint: Any, folder: Path | None, parts: Parts, guard: NonFiniteGuard,
-                 sink: RecordSink, *, config: dict[str, Any], seed: int, max_steps: int,
-                 search: RunSearch | None = None) -> None:
+    def __init__(self, cfg_checkpoint: Any, folder: Path | None, parts: Mapping[str, Stateful],
+                 record: Callable[[dict[str, Any]], None], *,
+                 sharded: bool, all_finite: Callable[[], bool], paused: Callable[[], AbstractContextManager[Any]],
+                 config: dict[str, Any], seed: int, max_steps: int, search: RunSearch | None = None) -> None:
+        """``parts``: every entry of :data:`PARTS`; ``parts["model"]`` is the plain model and
+        ``parts["optimizer"]`` its optimizer (FSDP's ``sharded`` state saves them by rank).
+        ``all_finite``: may this state be saved (no rank's last step was inf or NaN);
+        ``paused``: the step timer's pause around a save; ``record``: where each save is
+        written down (the run's metrics.jsonl)."""
+        missing = [name for name in PARTS if not isinstance(parts.get(name), Stateful)]
+        if missing:
+            raise TypeError(f"the checkpointer needs a state_dict/load_state_dict part for each of {missing}")
         self.every, self.at_end, self.keep_last = cfg_checkpoint.every_n_steps, cfg_checkpoint.at_end, cfg_checkpoint.keep_last
-        self.folder, self.parts, self.guard, self.sink = folder, parts, guard, sink
+        self.folder, self.parts, self.record = folder, dict(parts), record
+        self.model: torch.nn.Module = parts["model"]  # type: ignore[assignment]
+        self.optimizer: torch.optim.Optimizer = parts["optimizer"]  # type: ignore[assignment]
+        self.sharded, self.all_finite, self.paused = sharded, all_finite, paused
         self.config, self.seed, self.max_steps, self.search = config, seed, max_steps, search
         self.saved: list[str] = []
         self.time_s = 0.0
@@ -107,34 +108,32 @@ class Checkpointer:
         """Save the state after ``step``, unless a rank's last step was not finite."""
         if self.folder is None:
             return
-        if not self.guard.all_finite():
+        if not self.all_finite():
             log.warning(f"step {step}: not saving a checkpoint of a non-finite state; the last good one stays")
             return
-        with self.parts.metrics.paused():
+        with self.paused():
             t = time.perf_counter()
             path = self._write(step, self._state())
             seconds = time.perf_counter() - t
             self.saved.append(str(path))
             self.time_s += seconds
-            self.sink.write({"kind": "checkpoint", "step": step, "path": str(path), "save_s": seconds})
+            self.record({"kind": "checkpoint", "step": step, "path": str(path), "save_s": seconds})
 
     def _state(self) -> dict[str, Any]:
-        """Everything but the model and optimizer, gathered from the parts."""
-        parts, world = self.parts, distributed.world_size()
+        """Every part's state but the model's and optimizer's, the random generators and
+        what a resume checks against (the model's shape, the config)."""
+        world = distributed.world_size()
         rng = capture_rng()
         rng_ranks = distributed.gather_to_rank0(rng)  # each rank draws its own dropout masks
-        return {
-            "scheduler": parts.scheduler.state_dict(), "scaler": parts.plan.scaler_state(),
-            "rng": rng, "rng_ranks": rng_ranks if world > 1 else None, "world_size": world,
-            "data": parts.stream.position(), "tokens": parts.metrics.tokens_done,
-            "model_shape": model_shape(parts.plan.raw_model), "config": self.config,
-        }
+        state = {name: part.state_dict() for name, part in self.parts.items() if name not in ("model", "optimizer")}
+        return {**state, "rng": rng, "rng_ranks": rng_ranks if world > 1 else None, "world_size": world,
+                "model_shape": model_shape(self.model), "config": self.config}
 
     def _write(self, step: int, state: dict[str, Any]) -> Path:
         """Sharded (FSDP): every rank writes its shards. Otherwise rank 0 writes one file and
         every rank waits for it, so that none runs ahead of the file or misses its failure."""
-        model, optimizer = self.parts.plan.raw_model, self.parts.optimizer
-        if self.parts.plan.sharded_state:
+        model, optimizer = self.model, self.optimizer
+        if self.sharded:
             return checkpoint_files.save_sharded(self.folder, step, model, optimizer, state, self.keep_last)
         path, error = None, None
         if distributed.rank() == 0:
@@ -168,7 +167,7 @@ class Checkpointer:
                         "(to continue a run, start it with the same hydra.run.dir or checkpoint.dir)")
             return Start()
         ckpt = self._load_on_every_rank(path)
-        for warning in checkpoint_files.check_compatible(ckpt, model_shape(self.parts.plan.raw_model), self.config,
+        for warning in checkpoint_files.check_compatible(ckpt, model_shape(self.model), self.config,
                                                          path, distributed.world_size()):
             log.warning(warning)
         problem = None
@@ -226,41 +225,33 @@ class Checkpointer:
         return ckpt
 
     def _restore(self, ckpt: dict[str, Any], path: Path) -> Start:
-        """Load a checkpoint's state into the freshly built model, optimizer and schedule.
+        """Load a checkpoint's state into the freshly built parts, each under its name.
 
         On as many ranks as it was saved from, every rank gets its own random state back and
         the run continues bit for bit. On another number of ranks (a sharded checkpoint
         reshards; a single file loads anywhere) the weights, optimizer, schedule and data
         position carry over (the global batch is checked to be the same), but the random
-        streams are reseeded.
+        streams are reseeded. An entry the file lacks (older files have no ``tokens``) is
+        given to its part as None.
         """
-        plan, optimizer, scheduler = self.parts.plan, self.parts.optimizer, self.parts.scheduler
         if ckpt.get("sharded_path"):
-            checkpoint_files.load_sharded_into(Path(ckpt["sharded_path"]), plan.raw_model, optimizer)
-        elif plan.sharded_state:
+            checkpoint_files.load_sharded_into(Path(ckpt["sharded_path"]), self.model, self.optimizer)
+        elif self.sharded:
             raise ConfigError(f"resume={path} is a single-file checkpoint (distributed=none or ddp) and distributed=fsdp "
                               "reads sharded ones; resume it with distributed=ddp (any number of ranks), or start fresh")
-        else:
-            with _loading(path, "model weights"):
-                plan.raw_model.load_state_dict(ckpt["model"])
-            with _loading(path, "optimizer state"):
-                optimizer.load_state_dict(ckpt["optimizer"])
-        with _loading(path, "learning-rate schedule"):
-            scheduler.load_state_dict(ckpt["scheduler"])
-            if not isinstance(scheduler.last_epoch, int) or scheduler.last_epoch < 0:
-                raise ValueError(f"last_epoch {scheduler.last_epoch!r}")
-            if not all(isinstance(lr, float) for lr in scheduler.get_last_lr()):
-                raise ValueError(f"learning rates {scheduler.get_last_lr()!r}")
-            with warnings.catch_warnings():  # "use get_last_lr()": this call only tries the next step's
-                warnings.simplefilter("ignore")
-                scheduler.get_lr()  # what the next step computes: fails now rather than at step 1
-        with _loading(path, "loss scale"):
-            plan.load_scaler_state(ckpt.get("scaler"))
+        for name, part in self.parts.items():
+            if name in ("model", "optimizer") and ckpt.get("sharded_path"):
+                continue
+            with _loading(path, PARTS.get(name, name)):
+                part.load_state_dict(ckpt.get(name))
+                if isinstance(part, torch.optim.lr_scheduler.LRScheduler):
+                    _check_schedule(part)
         with _loading(path, "random generators"):
-            return self._restore_rng(ckpt, path)
+            self._restore_rng(ckpt, path)
+        return Start(step=int(ckpt["step"]), checkpoint=str(path))
 
-    def _restore_rng(self, ckpt: dict[str, Any], path: Path) -> Start:
-        """Each rank's random state (or a reseed on another number of ranks); the start."""
+    def _restore_rng(self, ckpt: dict[str, Any], path: Path) -> None:
+        """Each rank's random state, or a reseed on another number of ranks."""
         data = ckpt["data"]
         rank, world, saved_world = distributed.rank(), distributed.world_size(), checkpoint_files.saved_world(ckpt)
         if saved_world == world:
@@ -272,8 +263,17 @@ class Checkpointer:
             log.warning(f"resume={path} was saved by {saved_world} rank(s) and continues on {world}, with the same "
                         f"global batch and data order (from sample {data['consumed']} of epoch {data['epoch']}); the random "
                         "streams (dropout) are reseeded per rank and sums run in another order, so not bit for bit")
-        return Start(step=int(ckpt["step"]), epoch=int(data["epoch"]), consumed=int(data["consumed"]),
-                     tokens=int(ckpt.get("tokens", 0)), checkpoint=str(path))
+
+
+def _check_schedule(scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
+    """A schedule that loaded but cannot compute the next step's rate fails now, not at step 1."""
+    if not isinstance(scheduler.last_epoch, int) or scheduler.last_epoch < 0:
+        raise ValueError(f"last_epoch {scheduler.last_epoch!r}")
+    if not all(isinstance(lr, float) for lr in scheduler.get_last_lr()):
+        raise ValueError(f"learning rates {scheduler.get_last_lr()!r}")
+    with warnings.catch_warnings():  # "use get_last_lr()": this call only tries the next step's
+        warnings.simplefilter("ignore")
+        scheduler.get_lr()
 
 
 @contextmanager

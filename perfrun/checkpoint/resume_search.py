@@ -14,9 +14,8 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from perfrun.checkpoint.names import list_checkpoints
 from perfrun.config import ConfigError
@@ -27,9 +26,12 @@ _STEP = re.compile(r"step_(\d+)")
 _SHOWN = 3  # ambiguous runs named in the refusal
 
 
-def job_config(cfg: Any) -> str:
-    """The configuration that decides what is trained, as a comparable string."""
-    tree = OmegaConf.to_container(cfg, resolve=False) if OmegaConf.is_config(cfg) else dict(cfg)
+def job_config(composed: DictConfig) -> str:
+    """The configuration that decides what is trained, as a comparable string: taken from
+    the composed configuration as Hydra writes it (.hydra/config.yaml, interpolations kept),
+    before setup finds out what the data turned out to be."""
+    tree = OmegaConf.to_container(composed, resolve=False)
+    assert isinstance(tree, dict)
     return json.dumps({k: v for k, v in tree.items() if k not in IGNORED}, sort_keys=True, default=str)
 
 

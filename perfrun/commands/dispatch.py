@@ -20,7 +20,7 @@ COMMANDS = {
     "estimate": "the memory a configuration will need, by category and module, before it runs (a Hydra app)",
     "tune": "search batch size, checkpointing, compile and workers for the highest tokens/s",
     "generate": "sample text from a checkpoint with a KV cache, and measure what the cache buys",
-    "export": "write a checkpoint as ONNX or safetensors (with the Hugging Face GPT-2 layout)",
+    "export": "write a checkpoint as ONNX or safetensors (in the Hugging Face GPT-2 or Llama layout)",
     "prepare": "tokenise a corpus into train.bin/val.bin for data=memmap (a Hydra app: perfrun prepare --help)",
 }
 # The other commands: each module's main(argv) -> exit code, imported only when used.

@@ -1,5 +1,5 @@
 """``perfrun export``: a checkpoint as ONNX (verified in onnxruntime), as safetensors in
-Hugging Face's GPT-2 layout (loadable by ``transformers.GPT2LMHeadModel.from_pretrained``),
+Hugging Face's GPT-2 or Llama layout (loadable by transformers' ``from_pretrained``),
 or measured as dynamic int8 against float (``format=int8-report``).
 
 A Hydra app over :class:`ExportConfig` (``perfrun export --help`` lists every key); the
@@ -106,8 +106,10 @@ def write(cfg: ExportConfig) -> int:
         return 0
     meta = {"perfrun_checkpoint": str(loaded.path), "perfrun_step": str(loaded.step)}
     files = export_safetensors(loaded.model, out, loaded.vocab_size, meta)
-    console.print(f"wrote {files[0]} and {files[1]} (Hugging Face GPT-2 layout: "
-                  "transformers.GPT2LMHeadModel.from_pretrained(folder))")
+    arch = json.loads(files[1].read_text())["architectures"][0]  # GPT2LMHeadModel or LlamaForCausalLM
+    layout = "Llama" if arch.startswith("Llama") else "GPT-2"
+    console.print(f"wrote {files[0]} and {files[1]} (Hugging Face {layout} layout: "
+                  f"transformers.{arch}.from_pretrained(folder))")
     return 0
 
 

@@ -17,29 +17,20 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
-import sys
 import textwrap
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from perfrun.config import config_dir
-from perfrun.console import composition_error, error
+from perfrun.console import composition_error, error, hydra_quoted
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
 KINDS = {int: "an integer", float: "a number", bool: "a boolean (true or false)"}
 EXAMPLES = {int: "1", float: "0.5", bool: "true"}
-
-
-def hydra_quoted(text: str) -> str:
-    """``text`` as a single-quoted Hydra value that composes back to exactly ``text``:
-    backslashes before a quote, before ``${`` or at the end are doubled, quotes and ``${``
-    escaped (so nothing is read as an interpolation)."""
-    text = re.sub(r"(\\*)\$\{", lambda m: m.group(1) * 2 + "\\${", text)
-    text = re.sub(r"(\\*)'", lambda m: m.group(1) * 2 + "\\'", text)
-    text = re.sub(r"(\\+)$", lambda m: m.group(1) * 2, text)
-    return f"'{text}'"
 
 
 def schema_fields(schema: type, prefix: str = "") -> list[tuple[str, Any, dataclasses.Field]]:
@@ -131,7 +122,7 @@ class HydraCommand:
             return 2
         return self.run(cfg)
 
-    def run(self, cfg: Any) -> int:
+    def run(self, cfg: DictConfig) -> int:
         from omegaconf import OmegaConf
 
         return self.job(OmegaConf.to_object(cfg))
@@ -158,24 +149,37 @@ class HydraCommand:
         return hydra_main(self.name, args, self.run)
 
 
-def hydra_main(name: str, args: list[str], job: Callable[[Any], int]) -> int:
-    """``hydra.main`` over conf/NAME.yaml with ``args`` as the command line: Hydra answers
-    its flags itself and runs ``job`` on each configuration it composes. The exit code is the
-    worst job's, or Hydra's own when it exits (``--help``, a refused override)."""
-    import hydra
+def run_hydra(name: str, args: list[str], task: Callable[[DictConfig], None]) -> None:
+    """What ``hydra.main`` over conf/NAME.yaml does, with ``args`` as the command line instead
+    of ``sys.argv``: Hydra parses its flags, answers ``--help``, ``--cfg``, ``--info`` and
+    ``-sc`` itself, and calls ``task`` with each configuration it composes (once, or once per
+    job of ``-m``). hydra.main's own runner (``hydra._internal.utils._run_hydra``, Hydra 1.3)
+    takes the parsed arguments; ``hydra.main`` reads them from ``sys.argv`` only."""
+    from hydra import version
+    from hydra._internal.utils import _run_hydra, get_args_parser
+    from hydra.main import _get_rerun_conf
 
+    version.setbase("1.3")
+    parser = get_args_parser()
+    parser.prog = "perfrun"  # argparse's own errors name the program the user ran
+    parsed = parser.parse_args(args)
+    if parsed.experimental_rerun is not None:  # as hydra.main: the job again, from a saved config.pickle
+        task(_get_rerun_conf(parsed.experimental_rerun, parsed.overrides))
+        return
+    _run_hydra(args=parsed, args_parser=parser, task_function=task, config_path=config_dir(), config_name=name)
+
+
+def hydra_main(name: str, args: list[str], job: Callable[[Any], int]) -> int:
+    """Hydra over conf/NAME.yaml with ``args`` as the command line (:func:`run_hydra`),
+    running ``job`` on each configuration it composes. The exit code is the worst job's, or
+    Hydra's own when it exits (``--help``, a refused override)."""
     codes: list[int] = []
 
-    @hydra.main(version_base="1.3", config_path=config_dir(), config_name=name)
-    def app(cfg: Any) -> None:
+    def app(cfg: DictConfig) -> None:
         codes.append(job(cfg))
 
-    saved = sys.argv
-    sys.argv = ["perfrun", *args]
     try:
-        app()
+        run_hydra(name, args, app)
     except SystemExit as e:  # Hydra's own answers and errors exit; the exit code is the answer
         return e.code if isinstance(e.code, int) else int(e.code is not None)
-    finally:
-        sys.argv = saved
     return max(codes, default=0)

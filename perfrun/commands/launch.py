@@ -16,9 +16,12 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from perfrun.config import config_dir
+
+if TYPE_CHECKING:
+    from perfrun.config import TrainConfig
 
 # Ranks other than 0 write nothing and print only warnings and errors: no .hydra/, no
 # log file, no sweep summary (rank 0 writes each once, into the folder all ranks share).
@@ -30,6 +33,9 @@ QUIET_RANK = [
     "hydra.hydra_logging.root.level=WARNING",
     "~hydra.callbacks.sweep_summary",
 ]
+# a sweep job's ranks are told where resume=auto searches (the sweep's folder) by this flag,
+# which perfrun train takes off its command line before Hydra sees it
+SEARCH_ROOT_FLAG = "--resume-search-root"
 
 
 def arg_value(args: list[str], key: str) -> str | None:
@@ -65,18 +71,24 @@ def dir_overrides(run_dir: str, sweep_dir: str) -> list[str]:
     return [f"hydra.run.dir={quoted(run_dir)}", f"hydra.sweep.dir={quoted(sweep_dir)}"]
 
 
-def validate_job(composed: Any, launching: int | None = None) -> None:
-    """The job's configuration without Hydra's own node, checked as run() will check it;
-    ``launching``: as the ranks of the torchrun of that many processes about to start."""
-    from omegaconf import OmegaConf
+def validate_job(cfg: TrainConfig, launching: int | None = None) -> None:
+    """The job's configuration, checked as run() will check it; ``launching``: as the ranks
+    of the torchrun of that many processes about to start."""
+    from dataclasses import replace
 
-    from perfrun.config import check_distributed, validate
+    from perfrun.validate import check_distributed, validate
 
-    job = OmegaConf.masked_copy(composed, [k for k in composed if k != "hydra"])
     if launching:
-        job.nproc = 1  # checked just below against the world it will have
-        check_distributed(composed, world=launching)
-    validate(job)
+        check_distributed(cfg, world=launching)
+        cfg = replace(cfg, nproc=1)  # checked just above against the world it will have
+    validate(cfg)
+
+
+def take_search_root(args: list[str]) -> tuple[list[str], Path | None]:
+    """``args`` without :data:`SEARCH_ROOT_FLAG`, and the folder it gives (None without it)."""
+    prefix = f"{SEARCH_ROOT_FLAG}="
+    given = [a.removeprefix(prefix) for a in args if a.startswith(prefix)]
+    return [a for a in args if not a.startswith(prefix)], (Path(given[-1]) if given else None)
 
 
 def run_torchrun(nproc: int, train_args: list[str]) -> int:
@@ -107,11 +119,13 @@ def launch_ranks(args: list[str], nproc: int) -> int:
     return run_torchrun(nproc, [*args, *dir_overrides(*hydra_dirs(args))])
 
 
-def run_sweep_job_on_ranks(cfg: Any, overrides: list[str], run_dir: Path) -> int:
+def run_sweep_job_on_ranks(cfg: TrainConfig, overrides: list[str], run_dir: Path, *, sweep_args: list[str],
+                           search_root: Path | None) -> int:
     """A sweep job with ``nproc`` > 1: this job starts its own torchrun, whose ranks write
     into the job's folder (rank 0 its summary.json, which the sweep summary reads). So a
     sweep can vary nproc and distributed, and each job can go to a cluster node whole.
-    The ranks see a single run, so the job's logger names (its sweep's group) go with them."""
+    The ranks see a single run, so the job's logger names (its sweep's group, from the
+    sweep's command line ``sweep_args``) and where ``resume=auto`` searches go with them."""
     from perfrun.checkpoint.atomic import write_json
     from perfrun.config import ConfigError
     from perfrun.telemetry.loggers import sweep_job_names
@@ -124,9 +138,10 @@ def run_sweep_job_on_ranks(cfg: Any, overrides: list[str], run_dir: Path) -> int
     except ConfigError as e:
         no_summary("failed", str(e))
         raise
-    names = [f"{key}={quoted(value)}" for key, value in sweep_job_names(cfg, run_dir).items()]
+    names = [f"{key}={quoted(value)}" for key, value in sweep_job_names(cfg, run_dir, sweep_args).items()]
+    root = [f"{SEARCH_ROOT_FLAG}={search_root}"] if search_root is not None else []
     code = run_torchrun(int(cfg.nproc), [*_resolved(overrides, cfg), *names, f"hydra.run.dir={quoted(str(run_dir))}",
-                                         "hydra.output_subdir=null"])
+                                         "hydra.output_subdir=null", *root])
     if code != 0 and not (run_dir / "summary.json").exists():  # the ranks died before writing one
         no_summary("interrupted" if code in (130, 143) else "failed",
                    f"its {cfg.nproc} ranks exited with code {code} before writing a summary; "
@@ -134,11 +149,11 @@ def run_sweep_job_on_ranks(cfg: Any, overrides: list[str], run_dir: Path) -> int
     return code
 
 
-def _resolved(overrides: list[str], cfg: Any) -> list[str]:
+def _resolved(overrides: list[str], cfg: TrainConfig) -> list[str]:
     """The job's overrides for its torchrun, with interpolations replaced by their values in
     this job: ``nproc=${hydra:launcher.gpus_per_node}`` means this job's launcher, which
     the ranks (composing with Hydra's basic launcher) do not have."""
-    from omegaconf import OmegaConf
+    from perfrun.config import select
 
     out = []
     for override in overrides:
@@ -146,7 +161,7 @@ def _resolved(overrides: list[str], cfg: Any) -> list[str]:
         if not sep or not ("${" in value or "$\\{" in value) or key.startswith(("~", "hydra")):  # as typed, or as Hydra escapes it
             out.append(override)
             continue
-        v = OmegaConf.select(cfg, key.lstrip("+"))
+        v = select(cfg, key.lstrip("+"))
         if isinstance(v, bool) or v is None:
             out.append(f"{key}={'null' if v is None else str(v).lower()}")
         elif isinstance(v, int | float):
@@ -158,14 +173,14 @@ def _resolved(overrides: list[str], cfg: Any) -> list[str]:
     return out
 
 
-def join_rank_group(args: list[str], composed: Any) -> list[str]:
+def join_rank_group(args: list[str], cfg: TrainConfig | None) -> list[str]:
     """Under torchrun: make the process group now, before Hydra, so that rank 0 can hand
     every rank its run dir; ranks other than 0 are quietened. Returns the extra overrides."""
     import torch
 
     from perfrun import distributed
 
-    cpu = str(composed.device if composed is not None else arg_value(args, "device")) == "cpu"
+    cpu = str(cfg.device if cfg is not None else arg_value(args, "device")) == "cpu"
     distributed.init_from_env("cuda" if torch.cuda.is_available() and not cpu else "cpu")
     dirs: tuple[str, str] | None = None
     if distributed.rank() == 0:

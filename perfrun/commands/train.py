@@ -15,7 +15,7 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from perfrun.checkpoint.run_lock import undone_if_refused
 from perfrun.commands.launch import (
@@ -26,20 +26,22 @@ from perfrun.commands.launch import (
     launch_ranks,
     quoted,
     run_sweep_job_on_ranks,
+    take_search_root,
     validate_job,
     world_size,
 )
-from perfrun.config import config_dir
+from perfrun.config import config_dir, typed
 from perfrun.console import composition_error, error, first_line, stderr_console
 
-_FAILED_JOBS: list[str] = []
-SEARCH_ROOT_ENV = "PERFRUN_RESUME_SEARCH_ROOT"  # handed to a sweep job's ranks
 PARALLEL = ("ddp", "fsdp")  # the distributed= values that run one process per GPU
 COMPLETION_FLAGS = ("-sc", "--shell-completion")
 
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
 log = logging.getLogger("perfrun")
 
-def _preflight(args: list[str]) -> tuple[str | None, Any]:
+def _preflight(args: list[str]) -> tuple[str | None, DictConfig | None]:
     """Compose a single run's configuration before Hydra does, so that a wrong option,
     key or type gets one line instead of Hydra's page. Flags (``-m``, ``--cfg``...) and
     sweeps are left to Hydra, which reports those errors itself.
@@ -142,8 +144,10 @@ def train_main(args: list[str]) -> int:
         return shell_completion(args)
     if "--json" in args:
         return _train_json([a for a in args if a != "--json"])
-    from perfrun.config import ConfigError, check_distributed, register_configs
+    from perfrun.config import ConfigError, register_configs
+    from perfrun.validate import check_distributed
 
+    args, given_root = take_search_root(args)
     register_configs()
     problem = _launcher_problem(args) or _logger_problem(args)
     if problem is not None:
@@ -155,19 +159,24 @@ def train_main(args: list[str]) -> int:
         return 2
     world = world_size()
     try:
-        distributed = composed.distributed if composed is not None else arg_value(args, "distributed")
-        nproc = composed.nproc if composed is not None else arg_value(args, "nproc")
-    except Exception as e:  # noqa: BLE001 - e.g. nproc=${hydra:launcher.gpus_per_node} outside a sweep job
-        error(f"distributed or nproc cannot be resolved here ({first_line(e, 10**6)}); ${{hydra:launcher...}} is known only in "
-               "the jobs of a sweep (perfrun train -m hydra/launcher=slurm ...): give a number")
+        config = typed(composed) if composed is not None else None
+    except ConfigError as e:
+        if os.environ.get("RANK", "0") == "0":
+            error(str(e))
         return 2
+    except Exception as e:  # noqa: BLE001 - e.g. nproc=${hydra:launcher.gpus_per_node} outside a sweep job
+        error(f"the configuration cannot be resolved here ({first_line(e, 10**6)}); ${{hydra:launcher...}} is known only "
+              "in the jobs of a sweep (perfrun train -m hydra/launcher=slurm ...): give a number")
+        return 2
+    distributed = config.distributed if config is not None else arg_value(args, "distributed")
+    nproc = config.nproc if config is not None else arg_value(args, "nproc")
     several = world > 1 or (distributed in PARALLEL and str(nproc).isdigit() and int(nproc) > 1)
-    if composed is not None:
+    if config is not None:
         try:  # several processes: refuse a bad value once, here, rather than once per rank
             if several:
-                validate_job(composed, int(nproc) if world == 1 else None)
+                validate_job(config, int(nproc) if world == 1 else None)
             else:
-                check_distributed(composed)
+                check_distributed(config)
         except ConfigError as e:
             if os.environ.get("RANK", "0") == "0":
                 error(str(e))
@@ -178,8 +187,9 @@ def train_main(args: list[str]) -> int:
         except ConfigError as e:
             error(str(e))
             return 2
+        root = None if redirect else _template_root(composed.hydra.run)  # a pinned run dir has none
         with undone_if_refused(run_dir):  # a refused job leaves a run dir that holds a run as it was
-            return launch_ranks(args + redirect, int(nproc)) if several else _run_app(args + redirect)
+            return launch_ranks(args + redirect, int(nproc)) if several else _run_app(args + redirect, root)
     if world == 1 and several and not _multirun(args):  # a sweep's jobs start their own torchrun
         return launch_ranks(args, int(nproc))
     if world > 1:
@@ -189,26 +199,24 @@ def train_main(args: list[str]) -> int:
         from perfrun import distributed as dist
 
         try:
-            return _run_app(args + join_rank_group(args, composed))
+            return _run_app(args + join_rank_group(args, config), given_root or _search_root(args))
         finally:
             dist.destroy()
-    return _run_app(args)
+    return _run_app(args, given_root or _search_root(args))
 
 
-def _continue_run(composed: Any) -> tuple[list[str], Path]:
+def _continue_run(composed: DictConfig) -> tuple[list[str], Path]:
     """``resume=auto`` where the run dir holds no checkpoint (a new timestamped folder): the
     ``hydra.run.dir`` of the run with this configuration under the outputs folder, so that
     the job continues it and writes into it (no override when there is none); and the run
     dir the job will write into."""
-    from omegaconf import OmegaConf
-
     from perfrun.checkpoint.names import list_checkpoints
-    from perfrun.checkpoint.resume_search import RunSearch, find_run, job_config, search_root
+    from perfrun.checkpoint.resume_search import RunSearch, find_run, job_config
 
     run_dir = Path(str(composed.hydra.run.dir))
     if composed.resume != "auto" or composed.checkpoint.dir:
         return [], run_dir
-    root = search_root(str(OmegaConf.to_container(composed.hydra.run, resolve=False)["dir"]))
+    root = _template_root(composed.hydra.run)
     if root is None or list_checkpoints(run_dir / "checkpoints"):
         return [], run_dir
     found = find_run(RunSearch(root, job_config(composed), run_dir), int(composed.max_steps))
@@ -218,24 +226,28 @@ def _continue_run(composed: Any) -> tuple[list[str], Path]:
     return [f"hydra.run.dir={quoted(str(found.run_dir))}"], found.run_dir
 
 
-def _search_root(args: list[str]) -> Path | None:
-    """Where ``resume=auto`` looks for the run a job continues: the fixed part of the run
-    dir's template (the sweep dir's, in a sweep), read before perfrun pins the folders."""
-    from hydra import compose, initialize_config_dir
+def _template_root(node: DictConfig) -> Path | None:
+    """The fixed part of ``node.dir``'s template (hydra.run or hydra.sweep): where
+    ``resume=auto`` looks for the run a job continues."""
     from omegaconf import OmegaConf
 
     from perfrun.checkpoint.resume_search import search_root
 
-    if os.environ.get(SEARCH_ROOT_ENV):  # a sweep job's ranks: the sweep's own
-        return Path(os.environ[SEARCH_ROOT_ENV])
+    return search_root(str(OmegaConf.to_container(node, resolve=False)["dir"]))
+
+
+def _search_root(args: list[str]) -> Path | None:
+    """Where ``resume=auto`` looks for the run a job continues: the fixed part of the run
+    dir's template (the sweep dir's, in a sweep), read before perfrun pins the folders."""
+    from hydra import compose, initialize_config_dir
+
     try:
         with initialize_config_dir(config_dir=config_dir(), version_base="1.3", job_name="train"):
             hydra_cfg = compose("train", overrides=[a for a in args if a.startswith("hydra.")],
                                 return_hydra_config=True).hydra
     except Exception:  # noqa: BLE001 - a bad hydra.* override: Hydra reports it itself
         return None
-    node = hydra_cfg.sweep if _multirun(args) else hydra_cfg.run
-    return search_root(str(OmegaConf.to_container(node, resolve=False)["dir"]))
+    return _template_root(hydra_cfg.sweep if _multirun(args) else hydra_cfg.run)
 
 
 def _train_json(args: list[str]) -> int:
@@ -267,18 +279,19 @@ def _contents(run_dir: Path) -> str:
                      if not p.name.startswith("."))
 
 
-def _run_app(args: list[str]) -> int:
-    """The Hydra app, with ``args`` as its command line."""
-    import hydra
+def _run_app(args: list[str], search_root: Path | None) -> int:
+    """The Hydra app, with ``args`` as its command line; ``search_root``: where ``resume=auto``
+    looks for the run a job continues (None: nowhere but the job's own run dir)."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
-    from omegaconf import DictConfig
 
+    from perfrun.checkpoint.resume_search import RunSearch, job_config
+    from perfrun.commands.hydra_app import run_hydra
     from perfrun.config import ConfigError, register_configs
 
     register_configs()
+    failed: list[str] = []  # the sweep's jobs that failed in this process
 
-    @hydra.main(version_base="1.3", config_path=config_dir(), config_name="train")
     def app(cfg: DictConfig) -> None:
         # the trainer (and torch) is imported by a job, never by --help, --cfg or --info
         from perfrun.loop.run import RunFailed, run
@@ -289,29 +302,30 @@ def _run_app(args: list[str]) -> int:
         run_dir = Path(hc.runtime.output_dir)
         overrides = list(hc.overrides.task)
         try:
-            if cfg.distributed in PARALLEL and cfg.nproc > 1 and world_size() == 1:
-                code = run_sweep_job_on_ranks(cfg, overrides, run_dir)
+            config = typed(cfg)  # the job's configuration, typed once; cfg stays as Hydra composed it
+            if config.distributed in PARALLEL and config.nproc > 1 and world_size() == 1:
+                code = run_sweep_job_on_ranks(config, overrides, run_dir, sweep_args=args, search_root=search_root)
                 if code in (130, 143):  # the ranks were stopped by a signal: so is the sweep
                     raise SystemExit(code)
                 if code != 0:  # the ranks have printed why
-                    raise RunFailed(f"its {cfg.nproc} ranks exited with code {code}; see {run_dir / 'train.log'}")
+                    raise RunFailed(f"its {config.nproc} ranks exited with code {code}; see {run_dir / 'train.log'}")
             else:
                 log.info(f"run dir {shown_path(run_dir)}")
+                search = RunSearch(search_root, job_config(cfg), run_dir) if search_root is not None else None
                 try:
-                    run(cfg, run_dir, overrides=overrides, search_root=search_root)
+                    run(config, run_dir, overrides=overrides, search=search, sweep_args=args)
                 finally:
                     log.info(f"run dir {shown_path(run_dir)}: {_contents(run_dir)}")
         except (ConfigError, RunFailed) as e:
             error(str(e))
             if hc.mode == RunMode.MULTIRUN:
-                _FAILED_JOBS.append(f"job {hc.job.num} ({' '.join(overrides)}): {e}")
+                failed.append(f"job {hc.job.num} ({' '.join(overrides)}): {e}")
                 return
             raise SystemExit(2 if isinstance(e, ConfigError) else 1) from None
         except Interrupted as e:
             error(str(e))
             raise SystemExit(e.exit_code) from None  # a stop request ends the sweep too
 
-    search_root = _search_root(args)
     sweep_dir = None
     if _multirun(args):  # resolved once, here, so that the sweep's jobs can be read back from it
         try:
@@ -319,20 +333,10 @@ def _run_app(args: list[str]) -> int:
             args = [*args, f"hydra.sweep.dir={quoted(sweep_dir)}"]
         except Exception:  # noqa: BLE001 - a bad hydra.* override: Hydra reports it just below
             sweep_dir = None
-    saved, saved_env = sys.argv, os.environ.get(SEARCH_ROOT_ENV)
-    sys.argv = ["perfrun"] + args
-    if search_root is not None and _multirun(args):
-        os.environ[SEARCH_ROOT_ENV] = str(search_root)
-    _FAILED_JOBS.clear()
-    try:
-        app()
-    finally:
-        sys.argv = saved
-        if saved_env is None:
-            os.environ.pop(SEARCH_ROOT_ENV, None)
-    _FAILED_JOBS[:] = _failed_jobs(list(_FAILED_JOBS), sweep_dir)
-    if _FAILED_JOBS:
-        error(f"{len(_FAILED_JOBS)} job(s) of the sweep failed: " + "; ".join(_FAILED_JOBS))
+    run_hydra("train", args, app)
+    failed = _failed_jobs(failed, sweep_dir)
+    if failed:
+        error(f"{len(failed)} job(s) of the sweep failed: " + "; ".join(failed))
         return 1
     return 0
 
@@ -340,22 +344,15 @@ def _run_app(args: list[str]) -> int:
 def shell_completion(args: list[str]) -> int:
     """Hydra's ``-sc install=bash`` or ``-sc query=bash``: Hydra composes the configuration
     and answers before calling the app, so this app imports nothing of the trainer."""
-    import hydra
-
+    from perfrun.commands.hydra_app import run_hydra
     from perfrun.config import register_configs
 
     register_configs()
 
-    @hydra.main(version_base="1.3", config_path=config_dir(), config_name="train")
-    def complete(cfg: Any) -> None:
+    def complete(cfg: DictConfig) -> None:
         raise SystemExit(f"perfrun: error: {' '.join(args)} is not a shell-completion command")
 
-    saved = sys.argv
-    sys.argv = ["perfrun"] + args
-    try:
-        complete()
-    finally:
-        sys.argv = saved
+    run_hydra("train", args, complete)
     return 0
 
 

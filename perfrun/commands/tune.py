@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from perfrun.tune.config import (
     TuneConfig,
@@ -51,6 +51,9 @@ from perfrun.tune.config import (
     register_tune_schema,
 )
 from perfrun.tune.search import Candidate, Space, TrialResult, TuneResult, search
+
+if TYPE_CHECKING:
+    from perfrun.config import TrainConfig
 
 SEARCHED = ("dataloader.batch_size", "checkpointing", "compile", "dataloader.num_workers")
 TRIAL_KEYS = ("max_steps", "timing_warmup_steps", "log_every", "eval_every", "eval_batches", "progress",
@@ -75,18 +78,19 @@ class TrainTrial:
                          "memory.breakdown=true", *no_checkpoints]
         self.count = 0
 
-    def compose(self, candidate: Candidate) -> Any:
+    def compose(self, candidate: Candidate) -> TrainConfig:
+        """The trial's configuration, composed once and typed (ConfigError for a key perfrun lacks)."""
         from hydra import compose, initialize_config_dir
         from hydra.core.global_hydra import GlobalHydra
 
-        from perfrun.config import config_dir, register_configs
+        from perfrun.config import config_dir, register_configs, typed
 
         overrides = [*self.overrides, *candidate.overrides(), *self.settings]
         if GlobalHydra.instance().is_initialized():  # inside the tune's Hydra app, which searches conf/
-            return compose("train", overrides=overrides)
+            return typed(compose("train", overrides=overrides))
         register_configs()
         with initialize_config_dir(config_dir=config_dir(), version_base="1.3", job_name="tune"):
-            return compose("train", overrides=overrides)
+            return typed(compose("train", overrides=overrides))
 
     def __call__(self, candidate: Candidate) -> TrialResult:
         from perfrun.config import ConfigError
@@ -161,7 +165,7 @@ INSPECT = ("-h", "--help", "--hydra-help", "--version", "-c", "--cfg", "-p", "--
 
 
 @dataclass
-class Plan:
+class TuneRequest:
     """A tune checked before any trial: what the command line asked for, composed and validated."""
 
     settings: TuneConfig
@@ -250,7 +254,7 @@ def _space(tc: TuneConfig, fixed: dict[str, str]) -> Space:
     return space
 
 
-def _plan(args: list[str], trial: Callable[[Candidate], TrialResult] | None) -> Plan:
+def _request(args: list[str], trial: Callable[[Candidate], TrialResult] | None) -> TuneRequest:
     """Everything checked before the first trial, so that a mistake is one line and costs nothing."""
     tc, out = _compose(args)
     steps = tc.steps if tc.steps is not None else (6 if tc.quick else 10)
@@ -277,14 +281,15 @@ def _plan(args: list[str], trial: Callable[[Candidate], TrialResult] | None) -> 
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise TuneError(f"the tune dir {out} cannot be created ({e.strerror}); choose another --out (hydra.run.dir)") from None
-    return Plan(tc, overrides, space, steps, warmup, out, no_checkpoints, trial)
+    return TuneRequest(tc, overrides, space, steps, warmup, out, no_checkpoints, trial)
 
 
 def _preflight(trial: TrainTrial, space: Space) -> None:
     """Compose and check the first candidate, so a bad override is one line before any trial."""
-    from perfrun.config import ConfigError, validate
+    from perfrun.config import ConfigError
     from perfrun.console import composition_error
     from perfrun.devices import resolve_device
+    from perfrun.validate import validate
 
     first = Candidate(space.batch_sizes[0] if space.batch_sizes else space.start, space.checkpointing[0],
                       space.compile[0], space.num_workers[0])
@@ -298,14 +303,14 @@ def _preflight(trial: TrainTrial, space: Space) -> None:
         raise TuneError(composition_error(e, "tune")) from None
 
 
-def _tune(plan: Plan) -> int:
-    """The search of ``plan``: a line per trial, the table, tune_summary.json and the winner."""
+def _tune(request: TuneRequest) -> int:
+    """The search of ``request``: a line per trial, the table, tune_summary.json and the winner."""
     from rich.console import Console
 
     from perfrun.checkpoint.atomic import json_safe, write_json
     from perfrun.console import error, warn, wide_console
 
-    console = Console(highlight=False, soft_wrap=True, stderr=plan.settings.json)
+    console = Console(highlight=False, soft_wrap=True, stderr=request.settings.json)
     shown: list[TrialResult] = []
 
     def show(r: TrialResult) -> None:
@@ -313,28 +318,28 @@ def _tune(plan: Plan) -> int:
         console.print(f"trial {len(shown)}: [{r.phase}] {' '.join(r.candidate.overrides())} -> {what}", markup=False)
         shown.append(r)
 
-    console.print(f"perfrun tune: {plan.steps}-step trials ({plan.warmup} warm-up) in {plan.out}", markup=False)
-    if len(plan.no_checkpoints) == len(NO_CHECKPOINTS):
+    console.print(f"perfrun tune: {request.steps}-step trials ({request.warmup} warm-up) in {request.out}", markup=False)
+    if len(request.no_checkpoints) == len(NO_CHECKPOINTS):
         console.print("perfrun tune: the trials save no checkpoints (they measure); add checkpoint.at_end=true "
                       "to keep them", markup=False)
-    result = search(plan.trial, plan.space, show)
+    result = search(request.trial, request.space, show)
     winner = result.winner
     record: dict[str, Any] = {
-        "overrides": plan.overrides, "space": asdict(plan.space), "steps": plan.steps, "warmup": plan.warmup,
+        "overrides": request.overrides, "space": asdict(request.space), "steps": request.steps, "warmup": request.warmup,
         "trials": [{**asdict(r), "candidate": asdict(r.candidate)} for r in result.trials],
         "winner": asdict(winner.candidate) if winner else None,
-        "command": command_line(winner.candidate, plan.overrides) if winner else None,
-        "dir": str(plan.out),
+        "command": command_line(winner.candidate, request.overrides) if winner else None,
+        "dir": str(request.out),
     }
-    if plan.settings.json:
+    if request.settings.json:
         sys.stdout.write(json.dumps(json_safe(record), indent=2, default=str) + "\n")
     else:
         table = trials_table(result)
         wide_console([table]).print(table)
     try:
-        write_json(plan.out / "tune_summary.json", record)
+        write_json(request.out / "tune_summary.json", record)
     except OSError as e:
-        error(f"tune: cannot write {plan.out / 'tune_summary.json'}: {e.strerror}")
+        error(f"tune: cannot write {request.out / 'tune_summary.json'}: {e.strerror}")
     if winner is None:
         first = next((r.reason for r in result.trials if r.reason), "no trial ran")
         error(f"tune: every trial failed, so there is no winner; the first said: {first}")
@@ -342,9 +347,9 @@ def _tune(plan: Plan) -> int:
     if winner.contended:
         warn("tune: every trial shared the machine with other processes (contended), so this winner may reflect "
              "them as much as its knobs; rerun on a quiet machine")
-    if not plan.settings.json:
+    if not request.settings.json:
         console.print(f"best: {winner.tokens_per_s:,.0f} tok/s ({len(result.trials)} trials). Paste:", markup=False)
-        console.print(command_line(winner.candidate, plan.overrides), markup=False)
+        console.print(command_line(winner.candidate, request.overrides), markup=False)
     return 0
 
 
@@ -363,16 +368,16 @@ def kept_logging() -> Iterator[None]:
         root.handlers[:], root.level = handlers, level
 
 
-def _run_app(args: list[str], plan: Plan | None) -> int:
-    """The Hydra app with ``args`` as its command line: the tune of ``plan`` in its run dir,
-    or (no plan) Hydra's answer to --help, --cfg and the like."""
+def _run_app(args: list[str], request: TuneRequest | None) -> int:
+    """The Hydra app with ``args`` as its command line: the tune of ``request`` in its run dir,
+    or (no request) Hydra's answer to --help, --cfg and the like."""
     from perfrun.commands.hydra_app import hydra_main
     from perfrun.config import register_configs
 
     register_configs()
     register_tune_schema()
     with kept_logging():
-        return hydra_main("tune", args, lambda _cfg: _tune(plan) if plan is not None else 0)
+        return hydra_main("tune", args, lambda _cfg: _tune(request) if request is not None else 0)
 
 
 def main(argv: list[str], trial: Callable[[Candidate], TrialResult] | None = None) -> int:
@@ -388,8 +393,8 @@ def main(argv: list[str], trial: Callable[[Candidate], TrialResult] | None = Non
                 raise TuneError(f"{a}: tune runs its trials itself, one after another; sweep with perfrun train -m")
             if a.startswith("-"):
                 raise TuneError(f"unknown option {a}; perfrun tune --help lists tune's flags and keys")
-        plan = _plan(args, trial)
+        request = _request(args, trial)
     except TuneError as e:
         error(f"tune: {e}")
         return 2
-    return _run_app([*args, f"hydra.run.dir={override_value(str(plan.out))}"], plan)
+    return _run_app([*args, f"hydra.run.dir={override_value(str(request.out))}"], request)

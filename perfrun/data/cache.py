@@ -16,11 +16,12 @@ from pathlib import Path
 from typing import Any
 
 from perfrun.checkpoint.atomic import atomic_write
+from perfrun.config import DataConfig
 
 STALE_TEMP_S = 3600  # a temporary file this old is litter from a process killed mid-write
 
 
-def cache_root(cfg: Any) -> Path:
+def cache_root(cfg: DataConfig) -> Path:
     """``data.cache_dir``, else ``$PERFRUN_CACHE``, else ``~/.cache/perfrun``."""
     root = getattr(cfg, "cache_dir", None) or os.environ.get("PERFRUN_CACHE") or "~/.cache/perfrun"
     return Path(str(root)).expanduser()

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, SequentialSampler
 
-from perfrun.config import ConfigError
+from perfrun.config import ConfigError, DataLoaderConfig
 from perfrun.data.sampler import ResumableSampler
 
 
@@ -19,7 +19,7 @@ def ignore_sigint(worker_id: int) -> None:
 
 
 def build_loader(
-    dataset: Dataset, dl_cfg: Any, *, device_type: str, shuffle: bool, seed: int, rank: int = 0, world: int = 1
+    dataset: Dataset, dl_cfg: DataLoaderConfig, *, device_type: str, shuffle: bool, seed: int, rank: int = 0, world: int = 1
 ) -> DataLoader:
     """A DataLoader whose order depends on ``seed`` only (not on batch size or workers).
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from perfrun.config import ConfigError
+from perfrun.config import ConfigError, DataConfig
 from perfrun.data.cache import cache_root, file_key, read_verdict, write_verdict
 from perfrun.data.meta import TokenMeta, check_sizes, read_meta
 from perfrun.data.windows import (
@@ -236,7 +236,7 @@ def _locate(p: Path, path: Any) -> tuple[Path, Path | None]:
     raise ConfigError(f"data.path={path} is neither a regular file nor a folder")
 
 
-def _vocab_and_tokenizer(cfg: Any, meta: TokenMeta | None, folder: Path, shown: str) -> tuple[int, str | None]:
+def _vocab_and_tokenizer(cfg: DataConfig, meta: TokenMeta | None, folder: Path, shown: str) -> tuple[int, str | None]:
     """The vocabulary and tokenizer of the ids: from the meta file of a prepared folder, else
     from ``data.tokenizer`` when given (loaded, so that a wrong one fails now), else unknown
     (``data.vocab_size``, GPT-2's 50257 by default). ``data.vocab_size`` may raise the
@@ -262,7 +262,7 @@ def _vocab_and_tokenizer(cfg: Any, meta: TokenMeta | None, folder: Path, shown: 
     return int(cfg.vocab_size), spec
 
 
-def memmap_bundle(cfg: Any, seq_len: int) -> DataBundle:
+def memmap_bundle(cfg: DataConfig, seq_len: int) -> DataBundle:
     path = cfg.path
     p = resolve_path(path, "memmap")
     train_path, val_path = _locate(p, path)

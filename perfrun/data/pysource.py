@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from perfrun.checkpoint.atomic import atomic_write
-from perfrun.config import ConfigError
+from perfrun.config import ConfigError, DataConfig
 from perfrun.data.cache import cache_root, remove_stale_temps
 from perfrun.data.memmap import MemmapTokens
 from perfrun.data.tokenizers import BYTE_VOCAB
@@ -95,7 +95,7 @@ def _build_cache(folder: Path, stdlib: Path, files: list[tuple[str, int]],
     return meta
 
 
-def pysource_bundle(cfg: Any, seq_len: int) -> DataBundle:
+def pysource_bundle(cfg: DataConfig, seq_len: int) -> DataBundle:
     tokenizer = getattr(cfg, "tokenizer", None) or "byte"
     if tokenizer != "byte":
         raise ConfigError(

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-from perfrun.config import ConfigError
+from perfrun.config import ConfigError, DataConfig
 from perfrun.data.memmap import memmap_bundle
 from perfrun.data.pysource import pysource_bundle
 from perfrun.data.synthetic import synthetic_bundle
@@ -12,7 +10,7 @@ from perfrun.data.text import text_bundle
 from perfrun.data.windows import DataBundle
 
 
-def build_datasets(data_cfg: Any, seq_len: int, seed: int) -> DataBundle:
+def build_datasets(data_cfg: DataConfig, seq_len: int, seed: int) -> DataBundle:
     """Train and val datasets for ``data_cfg.name``; bad input raises a one-line ConfigError."""
     seq_len = int(seq_len)
     if seq_len < 1:

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
-from perfrun.config import ConfigError
+from perfrun.config import ConfigError, DataConfig
 from perfrun.data.windows import DEFAULT_VOCAB, DataBundle, Windows
 
 SYNTHETIC_WINDOWS = 1 << 20  # virtual length of each synthetic split
@@ -32,7 +30,7 @@ class SyntheticTokens(Windows):
         return rng.integers(0, self.vocab_size, size=self.seq_len + 1, dtype=np.int64)
 
 
-def synthetic_bundle(cfg: Any, seq_len: int, seed: int) -> DataBundle:
+def synthetic_bundle(cfg: DataConfig, seq_len: int, seed: int) -> DataBundle:
     vocab = int(cfg.vocab_size) if cfg.vocab_size is not None else DEFAULT_VOCAB
     if vocab < 2:
         raise ConfigError(f"data.vocab_size={vocab} must be >= 2; set data.vocab_size=50257")

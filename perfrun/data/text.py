@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from perfrun.config import ConfigError
+from perfrun.config import ConfigError, DataConfig
 from perfrun.data.files import corpus_files
 from perfrun.data.tokenizers import BYTE_VOCAB, Tokenizer, load_tokenizer
 from perfrun.data.windows import (
@@ -171,7 +171,7 @@ def _bytes_per_token(stream: TextStream, n_bytes: int, tok: Tokenizer) -> float:
     return max(len(sample) / max(len(tok.encode(text)), 1), 1e-3)
 
 
-def text_bundle(cfg: Any, seq_len: int) -> DataBundle:
+def text_bundle(cfg: DataConfig, seq_len: int) -> DataBundle:
     path = cfg.path
     p = resolve_path(path, "text")
     kept = corpus_files(p, f"data.path={path}")

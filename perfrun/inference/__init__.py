@@ -1,7 +1,7 @@
 """The inference core under ``perfrun generate``, ``perfrun export`` and the int8 report.
 
 - :mod:`~perfrun.inference.loading`: a checkpoint (file, sharded folder or run folder) into
-  a GPT in eval mode, with its real vocabulary and its tokenizer;
+  a GPT or Llama in eval mode, with its real vocabulary and its tokenizer;
 - :mod:`~perfrun.inference.sampling`: greedy, temperature and top-k sampling whose random
   draws do not depend on the device, the batch or the path taken;
 - :mod:`~perfrun.inference.generation`: the decode loop (static KV cache, optional compiled

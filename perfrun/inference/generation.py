@@ -1,7 +1,8 @@
 """The decode loop: prompts in, tokens out, timed.
 
 **The static KV cache.** With ``cache=True`` the keys and values live in a
-:class:`~perfrun.models.gpt.KVCache` allocated once for ``batch`` sequences of ``capacity``
+:class:`~perfrun.models.gpt.KVCache` that the model allocates once (``new_kv_cache``: GPT's keeps
+n_head heads, Llama's only its n_kv_head) for ``batch`` sequences of ``capacity``
 positions: the longest prompt plus ``max_new_tokens`` - 1, bounded by the model's
 ``block_size``. The prompt goes in one prefill; then each step feeds one token per
 sequence through :meth:`~perfrun.models.gpt.GPT.decode_step`, which writes in place at each
@@ -11,8 +12,8 @@ the same shapes. ``compile=True`` compiles that step (sampling included) with
 on the CPU; the prefill stays eager. Compilation and warm-up happen before the clock
 starts and are reported apart (``warmup_s``).
 
-**Beyond block_size.** The model has learned absolute positions and sees at most
-``block_size`` tokens. A longer prompt is cropped from the left. Once a sequence holds
+**Beyond block_size.** The model sees at most ``block_size`` tokens (GPT's learned
+positions, Llama's table of rotary angles). A longer prompt is cropped from the left. Once a sequence holds
 more than ``block_size`` tokens, the uncached path conditions on its last ``block_size``
 tokens, and the cached path does the same by re-filling the cache from that window at
 each such step (counted as ``cache_refills``; each costs a full prefill, so the cache
@@ -38,6 +39,7 @@ import torch
 from perfrun.devices import synchronize
 from perfrun.inference.sampling import UNIFORM_CHUNK, Sampler
 from perfrun.models.gpt import GPT, KVCache
+from perfrun.models.llama import Llama
 
 STOP_CHECK = 32  # steps between the checks that every sequence has stopped (each one host sync)
 WARMUP_STEPS = 3  # compiled: the first call compiles, CUDA graphs record on the next, replay after
@@ -97,7 +99,7 @@ class Generator:
     """A model, a sampler and (with the cache) a static KV cache for ``batch`` sequences,
     reused across calls of :meth:`run` so that a compiled step compiles once."""
 
-    def __init__(self, model: GPT, sampler: Sampler, max_new_tokens: int, *, longest_prompt: int, batch: int = 1,
+    def __init__(self, model: GPT | Llama, sampler: Sampler, max_new_tokens: int, *, longest_prompt: int, batch: int = 1,
                  cache: bool = True, compile: bool = False, eot_id: int | None = None, warmup: bool = True) -> None:
         if compile and not cache:
             raise ValueError("compile=True compiles the cached decode step; it needs cache=True")
@@ -108,7 +110,7 @@ class Generator:
         self.kv: KVCache | None = None
         if cache:
             capacity = cache_capacity(self.block, min(longest_prompt, self.block), max_new_tokens)
-            self.kv = KVCache.empty(model.config, batch, self.device, model.lm_head.weight.dtype, capacity)
+            self.kv = model.new_kv_cache(batch, self.device, model.lm_head.weight.dtype, capacity)
         self.step: Callable[..., torch.Tensor] = self._decode
         if compile:
             self.step = self._compiled()
@@ -254,7 +256,7 @@ class Generator:
 
 
 @torch.no_grad()
-def generate(model: GPT, prompt: list[int], max_new_tokens: int, sampler: Sampler, *, cache: bool = True,
+def generate(model: GPT | Llama, prompt: list[int], max_new_tokens: int, sampler: Sampler, *, cache: bool = True,
              on_token: Callable[[int], None] | None = None, warmup: bool = True, compile: bool = False,
              eot_id: int | None = None) -> Generation:
     """Sample up to ``max_new_tokens`` tokens after ``prompt`` (a batch of one)."""

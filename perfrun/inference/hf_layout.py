@@ -1,5 +1,9 @@
-"""perfrun's weights in Hugging Face's GPT-2 layout, as safetensors that
-``transformers.GPT2LMHeadModel.from_pretrained`` loads.
+"""perfrun's weights in Hugging Face's layouts, as safetensors that transformers loads:
+GPT-2's (``GPT2LMHeadModel``) for GPT, Llama's (``LlamaForCausalLM``) for the Llama family.
+
+Llama's weights are perfrun's under other names (perfrun/models/llama.py keeps
+transformers' rotate-half RoPE and separate q/k/v projections), so both directions are a
+renaming (:data:`LLAMA_NAMES`); a tied head is not written (``tie_word_embeddings``).
 
 GPT-2 in ``transformers`` keeps its projections in ``Conv1D``, which stores the weight as
 (in, out), the transpose of ``nn.Linear``'s (out, in): c_attn, c_proj and c_fc weights are
@@ -11,6 +15,7 @@ biases, which compute the same. Each file is written whole or not at all
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +24,7 @@ import torch
 from perfrun.checkpoint.atomic import atomic_write, write_json
 from perfrun.config import ConfigError
 from perfrun.models.gpt import GPT
+from perfrun.models.llama import Llama
 
 CONV1D = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 
@@ -100,7 +106,86 @@ def hf_config(model: GPT, vocab_size: int) -> dict[str, Any]:
     }
 
 
-def export_safetensors(model: GPT, out: Path, vocab_size: int, meta: dict[str, str]) -> list[Path]:
+# perfrun's Llama names -> transformers' (the layer index carried over), and back
+LLAMA_NAMES = (
+    (r"wte\.weight", "model.embed_tokens.weight"),
+    (r"blocks\.(\d+)\.attn_norm\.weight", r"model.layers.\1.input_layernorm.weight"),
+    (r"blocks\.(\d+)\.attn\.(q|k|v|o)_proj\.weight", r"model.layers.\1.self_attn.\2_proj.weight"),
+    (r"blocks\.(\d+)\.mlp_norm\.weight", r"model.layers.\1.post_attention_layernorm.weight"),
+    (r"blocks\.(\d+)\.mlp\.(gate|up|down)_proj\.weight", r"model.layers.\1.mlp.\2_proj.weight"),
+    (r"norm\.weight", "model.norm.weight"),
+    (r"lm_head\.weight", "lm_head.weight"),
+)
+HF_LLAMA_NAMES = (
+    (r"model\.embed_tokens\.weight", "wte.weight"),
+    (r"model\.layers\.(\d+)\.input_layernorm\.weight", r"blocks.\1.attn_norm.weight"),
+    (r"model\.layers\.(\d+)\.self_attn\.(q|k|v|o)_proj\.weight", r"blocks.\1.attn.\2_proj.weight"),
+    (r"model\.layers\.(\d+)\.post_attention_layernorm\.weight", r"blocks.\1.mlp_norm.weight"),
+    (r"model\.layers\.(\d+)\.mlp\.(gate|up|down)_proj\.weight", r"blocks.\1.mlp.\2_proj.weight"),
+    (r"model\.norm\.weight", "norm.weight"),
+    (r"lm_head\.weight", "lm_head.weight"),
+)
+
+
+def _rename(name: str, pairs: tuple[tuple[str, str], ...]) -> str | None:
+    for pattern, replacement in pairs:
+        if re.fullmatch(pattern, name):
+            return re.sub(pattern, replacement, name)
+    return None
+
+
+def llama_hf_state_dict(model: Llama) -> dict[str, torch.Tensor]:
+    """perfrun's Llama weights under transformers' names (a tied lm_head left out)."""
+    sd = model.state_dict()
+    out = {str(_rename(k, LLAMA_NAMES)): v.detach().contiguous() for k, v in sd.items()}
+    if model.config.tie_embeddings:
+        del out["lm_head.weight"]
+    return out
+
+
+def llama_state_dict(hf: dict[str, torch.Tensor], tied: bool) -> dict[str, torch.Tensor]:
+    """transformers' Llama weights under perfrun's names; a name perfrun has no place for is a
+    KeyError (its caller says which). A tied head is the embedding."""
+    sd: dict[str, torch.Tensor] = {}
+    for name, tensor in hf.items():
+        if name.endswith("rotary_emb.inv_freq"):  # a buffer older transformers saved; perfrun derives it from the config
+            continue
+        ours = _rename(name, HF_LLAMA_NAMES)
+        if ours is None:
+            raise KeyError(name)
+        sd[ours] = tensor
+    if tied:
+        sd.pop("lm_head.weight", None)
+        sd["lm_head.weight"] = sd["wte.weight"]
+    return sd
+
+
+def llama_hf_config(model: Llama, vocab_size: int) -> dict[str, Any]:
+    """LlamaConfig's fields for this model. RoPE is written both ways: ``rope_parameters``
+    (transformers 5) and ``rope_theta`` with ``rope_scaling`` (earlier versions)."""
+    c = model.config
+    s = c.rope_scaling
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": c.rope_theta}
+    scaling = None
+    if s.factor != 1.0:
+        scaling = {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
+                   "high_freq_factor": s.high_freq_factor,
+                   "original_max_position_embeddings": s.original_max_position_embeddings}
+        rope.update(scaling)
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": c.vocab_size, "hidden_size": c.n_embd, "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.n_layer, "num_attention_heads": c.n_head, "num_key_value_heads": c.n_kv_head,
+        "head_dim": c.head_dim, "max_position_embeddings": c.block_size, "rms_norm_eps": c.norm_eps,
+        "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
+        "rope_parameters": rope, "rope_theta": c.rope_theta, "rope_scaling": scaling,
+        "tie_word_embeddings": c.tie_embeddings, "initializer_range": 0.02,
+        "bos_token_id": None, "eos_token_id": None, "torch_dtype": "float32",
+        "perfrun_real_vocab_size": vocab_size,
+    }
+
+
+def export_safetensors(model: GPT | Llama, out: Path, vocab_size: int, meta: dict[str, str]) -> list[Path]:
     """Write ``out/model.safetensors`` and ``out/config.json`` (each atomically)."""
     try:
         from safetensors.torch import save
@@ -109,6 +194,8 @@ def export_safetensors(model: GPT, out: Path, vocab_size: int, meta: dict[str, s
     if out.exists() and not out.is_dir():
         raise ConfigError(f"out={out} is a file; format=safetensors writes a folder (model.safetensors + config.json)")
     files = [out / "model.safetensors", out / "config.json"]
-    atomic_write(files[0], save(hf_state_dict(model), metadata={"format": "pt", **meta}))
-    write_json(files[1], hf_config(model, vocab_size))
+    llama = isinstance(model, Llama)
+    weights = llama_hf_state_dict(model) if llama else hf_state_dict(model)  # type: ignore[arg-type]
+    atomic_write(files[0], save(weights, metadata={"format": "pt", **meta}))
+    write_json(files[1], llama_hf_config(model, vocab_size) if llama else hf_config(model, vocab_size))  # type: ignore[arg-type]
     return files

@@ -23,10 +23,7 @@ not measured here.
 
 from __future__ import annotations
 
-import contextlib
 import io
-import logging
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,33 +33,10 @@ import torch.nn as nn
 from torch.nn import functional as F
 
 from perfrun.config import ConfigError
+from perfrun.environment import quiet_torchao
 from perfrun.inference.generation import generate
 from perfrun.inference.loading import load_model
 from perfrun.inference.sampling import Sampler
-
-
-@contextlib.contextmanager
-def _quiet_import() -> Iterator[None]:
-    """torchao logs a warning for each optional CUDA kernel library it cannot load on a
-    CPU-only machine; they are irrelevant to CPU int8 and would bury the output."""
-    loggers = [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        for lg, lvl in zip(loggers, levels, strict=True):
-            lg.setLevel(lvl)
-
-
-def torchao_available() -> bool:
-    try:
-        with _quiet_import():
-            import torchao.quantization  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 @dataclass
@@ -81,7 +55,7 @@ class QuantInfo:
 def quantize_int8(model: nn.Module, *, include_head: bool = False) -> QuantInfo:
     """Quantise ``model``'s Linear layers in place (CPU inference; the model must be on the CPU)."""
     try:
-        with _quiet_import():
+        with quiet_torchao():
             from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
     except ImportError:
         raise ConfigError("quantize=int8 needs torchao; install it with pip install 'perfrun[int8]' "
@@ -94,7 +68,7 @@ def quantize_int8(model: nn.Module, *, include_head: bool = False) -> QuantInfo:
         return isinstance(module, nn.Linear) and fqn not in skipped
 
     layers = sum(1 for name, m in model.named_modules() if chosen(m, name))
-    with _quiet_import():
+    with quiet_torchao():
         quantize_(model, Int8DynamicActivationInt8WeightConfig(), filter_fn=chosen)
     return QuantInfo(layers, skipped, "torchao.quantization.quantize_(Int8DynamicActivationInt8WeightConfig)")
 
@@ -160,11 +134,10 @@ class Int8Report:
 
 def val_dataset(config: dict[str, Any], block_size: int) -> Any:
     """The checkpoint's own val split, rebuilt from its config: text the model did not train on."""
-    from omegaconf import OmegaConf
-
+    from perfrun.config import DataConfig, from_record
     from perfrun.data import build_datasets
 
-    data_cfg = OmegaConf.create(config.get("data") or {})
+    data_cfg = from_record(DataConfig, config.get("data") or {})
     seq_len = (config.get("data") or {}).get("seq_len") or block_size
     return build_datasets(data_cfg, int(seq_len), int(config.get("seed", 0))).val
 

@@ -1,8 +1,8 @@
 """A checkpoint into a model ready for inference: found, loaded, checked, rebuilt.
 
 Loading goes through :mod:`perfrun.checkpoint.files` (its ``load`` and ``load_model_weights``),
-which decides what a file may contain; this module only rebuilds the GPT that the
-checkpoint describes, checks that its weights are finite (a run that diverged leaves
+which decides what a file may contain; this module only rebuilds the model (GPT or Llama,
+by its recorded ``model.family``) that the checkpoint describes, checks that its weights are finite (a run that diverged leaves
 NaN weights that would sample garbage without a word), and knows the checkpoint's
 tokenizer: ``data.tokenizer`` in its config, ``byte`` when the key is absent.
 """
@@ -14,12 +14,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from omegaconf import OmegaConf
 
 from perfrun.checkpoint import files as checkpoint
 from perfrun.config import ConfigError
 from perfrun.console import first_line
 from perfrun.data.tokenizers import BYTE_VOCAB, Tokenizer, load_tokenizer
+from perfrun.model_schema import ModelConfig
 from perfrun.models.gpt import GPT, GPTConfig
+from perfrun.models.llama import Llama, LlamaConfig
 
 BYTE_SOURCES = ("pysource", "text")  # data= sources whose tokens are bytes unless a tokenizer is named
 
@@ -28,7 +31,7 @@ BYTE_SOURCES = ("pysource", "text")  # data= sources whose tokens are bytes unle
 class Loaded:
     """A checkpoint's model, rebuilt in eval mode, and what inference needs to know of it."""
 
-    model: GPT
+    model: GPT | Llama
     path: Path
     step: int
     vocab_size: int  # the real vocabulary: logits above it are padding, never sampled
@@ -91,13 +94,20 @@ def _as_checkpoint_error(e: ConfigError, path: Path) -> ConfigError:
     return ConfigError(str(e).replace(f"resume={path}", f"checkpoint={path}"))
 
 
-def _model_config(shape: dict[str, Any], config: dict[str, Any]) -> GPTConfig:
+def build_model(shape: dict[str, Any], config: dict[str, Any]) -> GPT | Llama:
+    """The model the checkpoint describes: its shape, and its family's fields from the model
+    group it recorded (a checkpoint written before the Llama family is a GPT)."""
     mcfg = config.get("model", {}) or {}
-    return GPTConfig(
+    attention = str(config.get("attention", "sdpa"))
+    if mcfg.get("family", "gpt") == "llama":
+        m = OmegaConf.merge(OmegaConf.structured(ModelConfig), mcfg, {k: shape[k] for k in checkpoint.SHAPE_KEYS
+                                                                        if k != "vocab_size"}, {"dropout": 0.0})
+        return Llama(LlamaConfig.from_model(m, int(shape["vocab_size"]), attention))
+    return GPT(GPTConfig(
         vocab_size=int(shape["vocab_size"]), block_size=int(shape["block_size"]), n_layer=int(shape["n_layer"]),
         n_head=int(shape["n_head"]), n_embd=int(shape["n_embd"]), dropout=0.0,
-        bias=bool(mcfg.get("bias", True)), attention=str(config.get("attention", "sdpa")),
-    )
+        bias=bool(mcfg.get("bias", True)), attention=attention,
+    ))
 
 
 def check_finite(model: torch.nn.Module, path: Path) -> None:
@@ -111,7 +121,7 @@ def check_finite(model: torch.nn.Module, path: Path) -> None:
 
 
 def load_model(spec: Path, device: torch.device | str = "cpu") -> Loaded:
-    """Load on the CPU first (checkpoint.load), rebuild GPT from ``model_shape``, check the
+    """Load on the CPU first (checkpoint.load), rebuild the model from ``model_shape``, check the
     weights, then move the model to ``device``."""
     path = resolve_checkpoint(spec)
     try:
@@ -124,7 +134,7 @@ def load_model(spec: Path, device: torch.device | str = "cpu") -> Loaded:
         raise ConfigError(f"checkpoint={path} has no model shape ({', '.join(missing)} missing); "
                           "it was written by an older perfrun, retrain or pick a newer checkpoint")
     config = ckpt.get("config") or {}
-    model = GPT(_model_config(shape, config))
+    model = build_model(shape, config)
     try:
         checkpoint.load_model_weights(ckpt, model)
     except ConfigError as e:  # unreadable shards

@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 
 from perfrun import distributed
+from perfrun.config import TrainConfig
 
 
 def _no_scaling() -> torch.amp.GradScaler:
@@ -70,17 +71,18 @@ class Plan:
         """fp16's current scale, for the train record (a sync: read it at log points only)."""
         return self.scaler.get_scale() if self.scaler.is_enabled() else None
 
-    def scaler_state(self) -> dict[str, Any] | None:
-        """What a checkpoint keeps of the loss scaling (None without fp16), for exact resume."""
+    def state_dict(self) -> dict[str, Any] | None:
+        """What a checkpoint keeps of the knobs' state: fp16's loss scaling (None without fp16),
+        for exact resume."""
         return self.scaler.state_dict() if self.scaler.is_enabled() else None
 
-    def load_scaler_state(self, state: dict[str, Any] | None) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any] | None) -> None:
         """Take a checkpoint's loss scale back; nothing to do without fp16."""
-        if self.scaler.is_enabled() and state:
-            self.scaler.load_state_dict(state)
+        if self.scaler.is_enabled() and state_dict:
+            self.scaler.load_state_dict(state_dict)
 
 
-def apply_knobs(cfg: Any, device: torch.device, model: nn.Module, stack: ExitStack) -> Plan:
+def apply_knobs(cfg: TrainConfig, device: torch.device, model: nn.Module, stack: ExitStack) -> Plan:
     """Apply every knob in a fixed order: backends, precision, fp8 (on the plain model), the
     loss, activation checkpointing, ddp or fsdp, compile."""
     from perfrun.knobs import (

@@ -13,8 +13,10 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from perfrun.config import TrainConfig
 
-def apply(cfg: Any, device: torch.device, plan: Any, stack: ExitStack) -> None:
+
+def apply(cfg: TrainConfig, device: torch.device, plan: Any, stack: ExitStack) -> None:
     every_k = 0 if cfg.checkpointing.name == "none" else int(cfg.checkpointing.every_k)
     plan.notes["checkpointing"] = cfg.checkpointing.name
     if every_k < 1:

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from perfrun.config import ConfigError
+from perfrun.config import ConfigError, TrainConfig
 
 _SDPA = {
     "flash": SDPBackend.FLASH_ATTENTION,
@@ -19,7 +19,7 @@ _SDPA = {
 }
 
 
-def apply(cfg: Any, device: torch.device, plan: Any, stack: ExitStack) -> None:
+def apply(cfg: TrainConfig, device: torch.device, plan: Any, stack: ExitStack) -> None:
     previous = torch.backends.cudnn.benchmark
     torch.backends.cudnn.benchmark = bool(cfg.cudnn_benchmark)
     stack.callback(setattr, torch.backends.cudnn, "benchmark", previous)

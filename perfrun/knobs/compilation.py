@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from perfrun.config import ConfigError
+from perfrun.config import ConfigError, TrainConfig
 
 log = logging.getLogger("perfrun")
 
@@ -52,7 +52,7 @@ def eager() -> AbstractContextManager[Any]:
     return torch.compiler.set_stance("force_eager")
 
 
-def apply(cfg: Any, device: torch.device, plan: Any, stack: ExitStack) -> None:
+def apply(cfg: TrainConfig, device: torch.device, plan: Any, stack: ExitStack) -> None:
     plan.notes["compile"] = bool(cfg.compile)
     if not cfg.compile:
         return

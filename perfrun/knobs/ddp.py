@@ -15,9 +15,10 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from perfrun import distributed
+from perfrun.config import TrainConfig
 
 
-def apply(cfg: Any, device: torch.device, plan: Any, stack: ExitStack) -> None:
+def apply(cfg: TrainConfig, device: torch.device, plan: Any, stack: ExitStack) -> None:
     plan.notes["distributed"] = cfg.distributed
     plan.notes["world_size"] = distributed.world_size()
     if cfg.distributed != "ddp":

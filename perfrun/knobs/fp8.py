@@ -31,9 +31,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from perfrun.config import CHOICES, ConfigError
+from perfrun.config import CHOICES, ConfigError, TrainConfig
 from perfrun.device_conditions import FP8_MIN_CAPABILITY
-from perfrun.inference.int8 import torchao_available
+from perfrun.environment import torchao_available
 
 log = logging.getLogger("perfrun")
 
@@ -57,7 +57,7 @@ def refusal(device_type: str, capability: tuple[int, int] | None, has_torchao: b
     return None
 
 
-def check(cfg: Any, device: torch.device) -> None:
+def check(cfg: TrainConfig, device: torch.device) -> None:
     """Refuse FP8 where it cannot run, before any work (call it as soon as the device is known)."""
     if cfg.precision.name != "fp8":
         return
@@ -133,7 +133,7 @@ def inner_rows(batch: Any, seq_len: int) -> int | None:
     return seq_len if seq_len % ALIGN == 0 else None
 
 
-def apply(cfg: Any, device: torch.device, plan: Any, stack: ExitStack) -> None:
+def apply(cfg: TrainConfig, device: torch.device, plan: Any, stack: ExitStack) -> None:
     """Convert the plain model before any wrapper (checkpointing, DDP, FSDP, compile) sees it."""
     if cfg.precision.name != "fp8":
         return

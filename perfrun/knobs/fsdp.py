@@ -38,13 +38,13 @@ from typing import Any
 
 import torch
 
-from perfrun.config import ConfigError, FsdpOptions
+from perfrun.config import ConfigError, FsdpOptions, TrainConfig
 from perfrun.knobs.precision import DTYPES
 
 PREFETCH_KEYS = ("forward_prefetch", "backward_prefetch")
 
 
-def check(cfg: Any) -> None:
+def check(cfg: TrainConfig) -> None:
     """Refuse ``fsdp.*`` values out of range or with nothing to act on, before any work."""
     opts, blocks = cfg.fsdp, cfg.model.n_layer
     for key in PREFETCH_KEYS:
@@ -65,7 +65,7 @@ def check(cfg: Any) -> None:
                           f"add distributed=fsdp or drop {'them' if len(new) > 1 else 'it'}")
 
 
-def apply(cfg: Any, device: torch.device, plan: Any, stack: ExitStack) -> None:
+def apply(cfg: TrainConfig, device: torch.device, plan: Any, stack: ExitStack) -> None:
     if cfg.distributed != "fsdp":
         return
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard

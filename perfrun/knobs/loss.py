@@ -12,10 +12,11 @@ from typing import Any
 
 import torch
 
+from perfrun.config import TrainConfig
 from perfrun.models import losses
 
 
-def apply(cfg: Any, device: torch.device, plan: Any, stack: ExitStack) -> None:
+def apply(cfg: TrainConfig, device: torch.device, plan: Any, stack: ExitStack) -> None:
     model = plan.raw_model
     stack.callback(setattr, model, "loss_fn", model.loss_fn)
     model.loss_fn = losses.build(cfg.loss)

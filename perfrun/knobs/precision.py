@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from perfrun.config import ConfigError
+from perfrun.config import ConfigError, TrainConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -36,7 +36,7 @@ def _check_supported(device: torch.device, dtype: torch.dtype, name: str) -> Non
         )
 
 
-def apply(cfg: Any, device: torch.device, plan: Any, stack: ExitStack) -> None:
+def apply(cfg: TrainConfig, device: torch.device, plan: Any, stack: ExitStack) -> None:
     p = cfg.precision
     dtype = DTYPES[p.dtype]
     plan.notes["precision"] = p.name

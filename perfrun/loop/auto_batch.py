@@ -10,15 +10,18 @@ fragments, and evaluation and data workers take memory of their own. A search st
 the cap (``dataloader.max_batch_size``, or the number of training sequences) is not
 shrunk: nothing showed that batch to be near the limit.
 
-**Trial** (:class:`StepTrial`). One training step of the real model, knobs and optimizer
-at that batch: forward under the knobs' contexts (autocast, SDPA backend), backward,
-optimizer step, on random tokens of the run's sequence length. It leaves the run exactly as
-it found it: gradients are zeroed and the step is taken at lr 0, so parameters do not
-move; the optimizer state is cleared after the search; the RNG states are restored; random
-tokens come from a private generator. Trials call the uncompiled model (with activation
-checkpointing, which patches the model in place; blocks that ``compile_options.scope=blocks``
-compiled in place run eagerly here): compiling once per trial size would cost minutes, and
-the compiled step is not expected to need more memory than the eager one.
+**Trial** (:class:`StepTrial`). One step of the trainer's own :class:`~perfrun.loop.step.TrainStep`
+at that batch, with the real model, knobs and optimizer: forward under the knobs' contexts
+(autocast, SDPA backend), the plan's backward (fp16's scaled loss), the plan's optimizer step
+(unscaling, clipping) and the schedule, on random tokens of the run's sequence length. It leaves
+the run exactly as it found it: the step is taken at lr 0, so parameters do not move; the
+optimizer state is cleared after the search, the schedule and the loss scale are restored from
+their state dicts, and so are the RNG states; random tokens come from a private generator.
+Trials take one micro-batch (a micro-batch is what must fit), call the plain model (with
+activation checkpointing, which patches the model in place; blocks that
+``compile_options.scope=blocks`` compiled in place run eagerly here) and run no step hooks:
+compiling once per trial size would cost minutes, and the compiled step is not expected to need
+more memory than the eager one.
 
 **Memory**, by device:
 
@@ -45,17 +48,17 @@ import math
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import asdict, dataclass, field
+from contextlib import contextmanager, nullcontext
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from perfrun.config import ConfigError
-from perfrun.knobs import compilation
-from perfrun.memory.preflight import auto_batch_start
+from perfrun.config import ConfigError, DataLoaderConfig
+from perfrun.knobs import Plan, compilation
+from perfrun.loop.step import TrainStep, Untimed
 
 log = logging.getLogger("perfrun")
 
@@ -216,25 +219,36 @@ def release(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
+class RandomBatches:
+    """A trial's batches: random tokens of the run's sequence length, ``size`` sequences, from
+    a private generator (the run's random streams are not drawn from)."""
+
+    def __init__(self, device: torch.device, seq_len: int, vocab_size: int) -> None:
+        self.device, self.seq_len, self.vocab_size, self.size = device, seq_len, vocab_size, 1
+        self._gen = torch.Generator(device=device).manual_seed(0)
+
+    def start(self) -> None:
+        """Nothing to start: every batch is drawn when it is taken."""
+
+    def take(self) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (self.size, self.seq_len)
+        return (torch.randint(self.vocab_size, shape, device=self.device, generator=self._gen),
+                torch.randint(self.vocab_size, shape, device=self.device, generator=self._gen))
+
+
 class StepTrial:
     """``trial(batch) -> bool``: does one training step at ``batch`` fit? See the module doc."""
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        forward_context: Callable[[], AbstractContextManager[Any]],
-        device: torch.device,
-        seq_len: int,
-        vocab_size: int,
-        budget_bytes: int | None,
-    ) -> None:
-        self.model, self.optimizer, self.forward_context = model, optimizer, forward_context
-        self.device, self.seq_len, self.vocab_size = device, seq_len, vocab_size
-        self.budget = budget_bytes
+    def __init__(self, plan: Plan, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
+                 device: torch.device, seq_len: int, vocab_size: int, budget_bytes: int | None, *,
+                 clip: float) -> None:
+        self.model, self.optimizer, self.device, self.budget = plan.raw_model, optimizer, device, budget_bytes
         self.peak_mib: dict[int, float] = {}
-        self._gen = torch.Generator(device=device).manual_seed(0)
-        self._params = [p for p in model.parameters() if p.requires_grad]
+        self.batches = RandomBatches(device, seq_len, vocab_size)
+        # the trainer's step over one micro-batch of the plain model, without the step hooks
+        one_micro_batch = replace(plan, model=plan.raw_model, micro_steps=1, step_hooks=[], step_start_hooks=[])
+        self.step = TrainStep(one_micro_batch, optimizer, scheduler, self.batches, Untimed(), clip=clip, device=device)
+        self._params = self.step.params
 
     def _resident(self) -> Iterator[torch.Tensor]:
         """Tensors alive before a trial: parameters, buffers, gradients, optimizer state."""
@@ -245,18 +259,9 @@ class StepTrial:
             yield from (v for v in state.values() if isinstance(v, torch.Tensor))
 
     def _step(self, batch: int) -> None:
-        x = torch.randint(self.vocab_size, (batch, self.seq_len), device=self.device, generator=self._gen)
-        y = torch.randint(self.vocab_size, (batch, self.seq_len), device=self.device, generator=self._gen)
-        with self.forward_context():
-            _, loss = self.model(x, y)
-        loss.backward()
-        del loss, x, y
-        for p in self._params:
-            if p.grad is not None:
-                p.grad.zero_()
+        self.batches.size = batch
         with _zero_lr(self.optimizer):
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+            self.step(0)
 
     def prime(self) -> None:
         """Create the optimizer state first, so every trial counts it (as every real step does)."""
@@ -301,12 +306,13 @@ def _set_rng_state(device: torch.device, state: tuple[torch.Tensor, torch.Tensor
 
 
 def resolve_auto_batch(
-    cfg: Any, device: torch.device, plan: Any, optimizer: torch.optim.Optimizer,
-    train_sequences: int, seq_len: int, vocab_size: int,
+    dl: DataLoaderConfig, device: torch.device, plan: Plan, optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler, train_sequences: int, seq_len: int, vocab_size: int,
+    clip: float, start: Callable[[int, int], tuple[int | None, str]] | None = None,
 ) -> dict[str, Any]:
     """Find the batch for ``dataloader.batch_size=auto``; return what was chosen and how, for
-    summary.json (``batch_size`` is the choice). The run then starts as if it had been given."""
-    dl = cfg.dataloader
+    summary.json (``batch_size`` is the choice). The run then starts as if it had been given.
+    ``start(limit_bytes, cap)``: the batch the memory estimate fits, where the search begins."""
     budget_mib = dl.memory_budget_mib
     if device.type != "cuda" and budget_mib is None:
         import psutil
@@ -321,10 +327,10 @@ def resolve_auto_batch(
     if dl.max_batch_size is not None and dl.max_batch_size < cap:
         cap, cap_source = int(dl.max_batch_size), "dataloader.max_batch_size"
     budget = None if budget_mib is None else int(budget_mib * MIB)
-    trial = StepTrial(plan.raw_model, optimizer, plan.forward_context, device, seq_len, vocab_size, budget)
+    trial = StepTrial(plan, optimizer, scheduler, device, seq_len, vocab_size, budget, clip=clip)
     limit = budget if budget is not None else torch.cuda.get_device_properties(device).total_memory
-    estimated, how = auto_batch_start(cfg, vocab_size, limit, cap)  # the search starts where the estimate says
-    rng = _rng_state(device)
+    estimated, how = start(limit, cap) if start is not None else (None, "no estimate")  # where the search starts
+    rng, schedule, loss_scale = _rng_state(device), scheduler.state_dict(), plan.state_dict()
     t0 = time.perf_counter()
     try:
         with compilation.eager():  # each trial's batch would compile anew (scope=blocks compiles in place)
@@ -340,6 +346,8 @@ def resolve_auto_batch(
     finally:
         optimizer.state.clear()
         optimizer.zero_grad(set_to_none=True)
+        scheduler.load_state_dict(schedule)
+        plan.load_state_dict(loss_scale)
         _set_rng_state(device, rng)
         release(device)
     seconds = time.perf_counter() - t0

@@ -15,25 +15,25 @@ import logging
 import shlex
 import signal
 import time
+from collections.abc import Sequence
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import OmegaConf
 
 from perfrun import distributed
 from perfrun.checkpoint.atomic import write_json
 from perfrun.checkpoint.checkpointer import Start
 from perfrun.checkpoint.files import CheckpointWriteError, check_writable
-from perfrun.checkpoint.resume_search import RunSearch, job_config
+from perfrun.checkpoint.resume_search import RunSearch
 from perfrun.checkpoint.run_lock import RunRecord, locked
-from perfrun.config import ConfigError
+from perfrun.config import ConfigError, TrainConfig, as_dict
 from perfrun.console import first_line
 from perfrun.device_conditions import device_kind, rung_applies
 from perfrun.environment import environment, global_state, rank_info
 from perfrun.loop.schedule import Loop, build_loop, train_loop
-from perfrun.loop.setup import setup
+from perfrun.loop.setup import Resolved, setup
 from perfrun.loop.stopping import GracefulStop, Interrupted
 from perfrun.summary import RunSummary
 from perfrun.telemetry import contention
@@ -48,16 +48,17 @@ class RunFailed(RuntimeError):
     """A run that stopped for a reason the user can act on (out of memory, ...)."""
 
 
-def run(cfg: Any, run_dir: Path | None, *, overrides: list[str] | None = None,
-        search_root: Path | None = None) -> RunSummary:
+def run(cfg: TrainConfig, run_dir: Path | None, *, overrides: list[str] | None = None,
+        search: RunSearch | None = None, sweep_args: Sequence[str] = ()) -> RunSummary:
     """One training job. Writes metrics.jsonl and summary.json into ``run_dir`` (rank 0).
 
     Raises ConfigError or RunFailed (after writing a ``failed`` summary) for what the user
     can fix, and for anything unexpected (its traceback goes to train.log); Interrupted
     (after an ``interrupted`` summary and a checkpoint) on SIGINT/SIGTERM; the caller turns
     them into one line and an exit code. A job refused before its first step writes no
-    summary over one already in ``run_dir``; ``search_root``: where ``resume=auto`` looks
-    for the run to continue when ``run_dir`` holds no checkpoint.
+    summary over one already in ``run_dir``; ``search``: where and for what configuration
+    ``resume=auto`` looks for the run to continue when ``run_dir`` holds no checkpoint;
+    ``sweep_args``: the command line of the sweep this job is part of (its logger's names).
     """
     rank, world = rank_info()
     main = rank == 0
@@ -71,15 +72,15 @@ def run(cfg: Any, run_dir: Path | None, *, overrides: list[str] | None = None,
     state_at_start = global_state()
     summary: RunSummary = {"status": "running", "overrides": list(overrides or []), "rank": rank, "world_size": world}
     record = RunRecord(run_dir if main else None)
-    search = RunSearch(search_root, job_config(cfg), run_dir) if search_root is not None else None
+    resolved = Resolved()
     sink: RecordSink | None = None
     device: torch.device | None = None
     try:
         with ExitStack() as stack, GracefulStop() as stop:
             _hold_folders(cfg, run_dir, stack)
             record.owned = True
-            sink = build_sinks(cfg, run_dir, rank)  # metrics.jsonl and the experiment logger, on rank 0
-            built = setup(cfg, stack)
+            sink = build_sinks(cfg, run_dir, rank, sweep_args)  # metrics.jsonl and the experiment logger, on rank 0
+            built = setup(cfg, stack, resolved)
             device = built.device
             summary.update(built.facts)
             summary["environment"] = environment(device)
@@ -92,7 +93,8 @@ def run(cfg: Any, run_dir: Path | None, *, overrides: list[str] | None = None,
             summary["setup_s"] = time.perf_counter() - t_start
             loop.metrics.start_monitor(cfg.monitor, device, stack)
             with reporter:
-                summary.update(_train(cfg, loop, start, run_dir, snapshot=bool(built.facts["memory_snapshot"] and main)))
+                summary.update(_train(cfg, loop, start, run_dir, snapshot=bool(built.facts["memory_snapshot"] and main),
+                                      batch_size=resolved.batch_size))
             if "monitor" in summary:  # did this job have the machine to itself?
                 summary["contention"] = contention.assess(summary["monitor"])
                 if main:
@@ -126,8 +128,8 @@ def run(cfg: Any, run_dir: Path | None, *, overrides: list[str] | None = None,
         summary["global_state_at_start"] = state_at_start
         summary["global_state_after"] = global_state()
         summary["wall_s"] = time.perf_counter() - t_start
-        if cfg is not None:
-            summary["config"] = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else cfg
+        summary["config"] = resolved.config_record(cfg)  # as composed, with what setup found out
+        summary["resolved"] = resolved.summary()
         unwritten = _write_summary(summary, record, run_dir) if main and run_dir is not None else None
         if sink is not None:
             sink.close(summary)  # the loggers end their runs with it
@@ -137,13 +139,13 @@ def run(cfg: Any, run_dir: Path | None, *, overrides: list[str] | None = None,
             raise RunFailed(unwritten)
 
 
-def _skip_rung(cfg: Any, run_dir: Path | None, overrides: list[str] | None) -> RunSummary:
+def _skip_rung(cfg: TrainConfig, run_dir: Path | None, overrides: list[str] | None) -> RunSummary:
     """A ladder rung whose knob cannot act on this device (TF32 on a CPU, FP8 without FP8
     tensor cores) is not run: measured, it would be the rung below plus noise. Its summary
     says why, so the report shows it as not applicable; a summary already in ``run_dir`` stays."""
     reason = f"not applicable on {device_kind(cfg.device)}: {cfg.ablation.why}"
     summary: RunSummary = {"status": "skipped", "reason": reason, "overrides": list(overrides or []),
-                           "config": OmegaConf.to_container(cfg, resolve=True)}
+                           "config": as_dict(cfg)}
     log.info(f"rung {cfg.ablation.rung} skipped, {reason}")
     if run_dir is not None and not (run_dir / "summary.json").exists():
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -151,7 +153,7 @@ def _skip_rung(cfg: Any, run_dir: Path | None, overrides: list[str] | None) -> R
     return summary
 
 
-def _hold_folders(cfg: Any, run_dir: Path | None, stack: ExitStack) -> None:
+def _hold_folders(cfg: TrainConfig, run_dir: Path | None, stack: ExitStack) -> None:
     """Rank 0 locks the run dir and checkpoint.dir for the life of the job (one job per
     folder); every rank stops with the same line when another job holds one."""
     problem = None
@@ -219,13 +221,14 @@ def _traceback_to_log_files(e: BaseException) -> None:
             handler.handle(record)
 
 
-def _train(cfg: Any, loop: Loop, start: Start, run_dir: Path | None, *, snapshot: bool) -> RunSummary:
+def _train(cfg: TrainConfig, loop: Loop, start: Start, run_dir: Path | None, *, snapshot: bool,
+           batch_size: int | None) -> RunSummary:
     """The loop, with out of memory and a failed save turned into a RunFailed with the fix
     (and, with ``snapshot``, the allocator history written beside it)."""
     try:
         return train_loop(loop, start)
     except torch.OutOfMemoryError:
-        message = _oom_message(cfg, loop.train_step.device)
+        message = _oom_message(cfg, loop.train_step.device, batch_size)
         if snapshot:
             message += f"; allocator history in {dump_memory_snapshot(run_dir, 'out of memory')}"
         raise RunFailed(message) from None
@@ -254,12 +257,12 @@ def _continue_hint(summary: RunSummary, run_dir: Path | None) -> str:
     return " ".join(["perfrun", "train", *map(shlex.quote, kept), "resume=auto"])
 
 
-def _oom_message(cfg: Any, device: torch.device) -> str:
+def _oom_message(cfg: TrainConfig, device: torch.device, batch_size: int | None) -> str:
     used = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
     total = torch.cuda.get_device_properties(device).total_memory / 2**30 if device.type == "cuda" else 0.0
     return (
         f"out of memory on {device} (peak {used:.1f} of {total:.1f} GiB) with model={cfg.model.name} "
-        f"dataloader.batch_size={cfg.dataloader.batch_size} seq_len={cfg.data.seq_len or cfg.model.block_size}; "
+        f"dataloader.batch_size={batch_size or cfg.dataloader.batch_size} seq_len={cfg.data.seq_len or cfg.model.block_size}; "
         "try a smaller dataloader.batch_size with accumulation.steps to keep the global batch, "
         "checkpointing=full, or precision=bf16"
     )

@@ -7,12 +7,10 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from omegaconf import OmegaConf
-
-from perfrun.checkpoint.checkpointer import Checkpointer, Parts, Start, checkpoint_folder
+from perfrun.checkpoint.checkpointer import Checkpointer, Start, checkpoint_folder
 from perfrun.checkpoint.resume_search import RunSearch
+from perfrun.config import TrainConfig
 from perfrun.loop.evaluation import Evaluator
 from perfrun.loop.setup import Setup
 from perfrun.loop.step import BatchStream, TrainStep
@@ -37,7 +35,7 @@ class Loop:
     stop: GracefulStop
 
 
-def build_loop(cfg: Any, built: Setup, run_dir: Path | None, sink: RecordSink, reporter: ConsoleReporter,
+def build_loop(cfg: TrainConfig, built: Setup, run_dir: Path | None, sink: RecordSink, reporter: ConsoleReporter,
                stop: GracefulStop, search: RunSearch | None = None) -> Loop:
     """The loop's parts, from the config and what setup built; nothing starts yet."""
     plan, device, optimizer, scheduler = built.plan, built.device, built.optimizer, built.scheduler
@@ -49,9 +47,11 @@ def build_loop(cfg: Any, built: Setup, run_dir: Path | None, sink: RecordSink, r
                           loss_scale=plan.loss_scale, compiled=bool(cfg.compile),
                           gpu_waits=stream.pop_gpu_wait_ms, handoffs_per_step=plan.micro_steps)
     guard = NonFiniteGuard(device, cfg.guard.max_bad_steps, scaler_skips=plan.skips_nonfinite_steps)
-    checkpointer = Checkpointer(cfg.checkpoint, checkpoint_folder(cfg.checkpoint.dir, run_dir),
-                                Parts(plan, optimizer, scheduler, stream, metrics), guard, sink,
-                                config=_plain(cfg), seed=cfg.seed, max_steps=cfg.max_steps, search=search)
+    parts = {"model": plan.raw_model, "optimizer": optimizer, "scheduler": scheduler, "scaler": plan, "data": stream,
+             "tokens": metrics}  # each saved under its name
+    checkpointer = Checkpointer(cfg.checkpoint, checkpoint_folder(cfg.checkpoint.dir, run_dir), parts, sink.write,
+                                sharded=plan.sharded_state, all_finite=guard.all_finite, paused=metrics.paused,
+                                config=built.resolved.config_record(cfg), seed=cfg.seed, max_steps=cfg.max_steps, search=search)
     train_step: TrainStep | TrackedStep = TrainStep(plan, optimizer, scheduler, stream, metrics,
                                                     clip=cfg.optim.grad_clip, device=device)
     if cfg.memory.breakdown:  # one step after the warm-up runs under the memory tracker
@@ -73,8 +73,8 @@ def train_loop(loop: Loop, start: Start) -> RunSummary:
     """
     train_step, metrics, guard, evaluator = loop.train_step, loop.metrics, loop.guard, loop.evaluator
     checkpointer, stop = loop.checkpointer, loop.stop
-    train_step.start(start.epoch, start.consumed)
-    metrics.start(start.step, start.tokens)
+    train_step.start()
+    metrics.start(start.step)
     step, interrupted_by, failure = start.step, None, None
     try:
         for step in range(start.step + 1, loop.max_steps + 1):
@@ -108,7 +108,3 @@ def train_loop(loop: Loop, start: Start) -> RunSummary:
                   interrupted_by=interrupted_by, failure=failure)
     return result
 
-
-def _plain(cfg: Any) -> dict[str, Any]:
-    """The resolved config as plain containers: what a checkpoint records and compares."""
-    return OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(cfg)

@@ -1,29 +1,64 @@
 """Everything before the first step: the validated config, the device, the data, the model,
-the knobs (the plan), the optimizer and its schedule, the loaders and the MFU peak."""
+the knobs (the plan), the optimizer and its schedule, the loaders and the MFU peak. Setup
+reads the configuration and never writes into it: what it finds out is a :class:`Resolved`."""
 
 from __future__ import annotations
 
 import logging
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from perfrun import distributed
-from perfrun.config import ConfigError, validate
+from perfrun.config import ConfigError, TrainConfig, as_dict
 from perfrun.data import build_datasets, build_loader
 from perfrun.environment import device_name
 from perfrun.knobs import Plan, apply_knobs, fp8, fsdp
+from perfrun.loop.memory.preflight import auto_batch_start, train_preflight
 from perfrun.loop.optimizer import build_optimizer, build_scheduler
-from perfrun.memory.preflight import train_preflight
 from perfrun.models.build import build_model
 from perfrun.summary import RunSummary
 from perfrun.telemetry.mfu import mfu_dtype, resolve_peak
 from perfrun.telemetry.profiling import start_memory_history
 from perfrun.telemetry.step_metrics import Throughput
+from perfrun.validate import validate
 
 log = logging.getLogger("perfrun")
+
+
+@dataclass
+class Resolved:
+    """What setup found out, beside the configuration the user composed: the device, the
+    batch size (``dataloader.batch_size=auto``'s choice, else the one given), the tokenizer
+    and vocabulary the data has, the vocabulary the model pads it to, the knobs that applied.
+    Filled in as setup goes (None: not reached); summary.json writes it (``resolved``, and
+    ``knobs``), and :meth:`config_record` is the configuration a run records."""
+
+    device: str | None = None
+    batch_size: int | None = None
+    tokenizer: str | None = None
+    vocab_size: int | None = None  # the data's; None until the data is built
+    vocab_size_padded: int | None = None
+    knobs: dict[str, Any] = field(default_factory=dict)
+
+    def config_record(self, cfg: TrainConfig) -> dict[str, Any]:
+        """The configuration as summary.json and checkpoints record it: as composed, with the
+        data's tokenizer and vocabulary and the batch size in place (perfrun generate reads
+        ``data.tokenizer`` there, and a resume compares the batch)."""
+        record = as_dict(cfg)
+        if self.vocab_size is not None:
+            record["data"].update(tokenizer=self.tokenizer, vocab_size=self.vocab_size)
+        if self.batch_size is not None:
+            record["dataloader"]["batch_size"] = self.batch_size
+        return record
+
+    def summary(self) -> dict[str, Any]:
+        """summary.json's ``resolved`` entry (the knobs have their own, ``knobs``)."""
+        return {"device": self.device, "batch_size": self.batch_size, "tokenizer": self.tokenizer,
+                "vocab_size": self.vocab_size, "vocab_size_padded": self.vocab_size_padded}
+
 
 @dataclass
 class Setup:
@@ -37,29 +72,34 @@ class Setup:
     val_loader: torch.utils.data.DataLoader
     throughput: Throughput
     facts: RunSummary  # the model, data, knobs and MFU peak, for summary.json
+    resolved: Resolved
 
 
-def setup(cfg: Any, stack: ExitStack) -> Setup:
-    """Everything before the first step: validated config, data, model, knobs, optimizer."""
+def setup(cfg: TrainConfig, stack: ExitStack, resolved: Resolved) -> Setup:
+    """Everything before the first step: validated config, data, model, knobs, optimizer;
+    what it finds out goes into ``resolved`` (the caller's, so a failed setup still tells)."""
     validate(cfg)
     if not 0 <= cfg.seed < 2**32:
         raise ConfigError(f"seed={cfg.seed} is outside what the random number generators take (0 to 2**32-1, numpy's "
                           "limit); choose a seed in that range")
     fsdp.check(cfg)
     device = distributed.setup_device(cfg.device, cfg.distributed, stack)
+    resolved.device = str(device)
     fp8.check(cfg, device)  # refused before any data or model is built
     rank, world = distributed.rank(), distributed.world_size()
     snapshot = start_memory_history(cfg, device, stack)
     distributed.seed_everything(cfg.seed)
     seq_len = cfg.data.seq_len or cfg.model.block_size
     data = build_datasets(cfg.data, seq_len, cfg.seed)
-    cfg.data.tokenizer, cfg.data.vocab_size = data.tokenizer, data.vocab_size  # what the ids are, recorded with the run
+    resolved.tokenizer, resolved.vocab_size = data.tokenizer, data.vocab_size  # what the ids are, recorded with the run
     log.info(data.description)
     memory_estimate = train_preflight(cfg, data.vocab_size, device, world) if rank == 0 else None
 
     m = cfg.model
     model = build_model(m, data.vocab_size, cfg.attention).to(device)
+    resolved.vocab_size_padded = model.config.vocab_size
     plan = apply_knobs(cfg, device, model, stack)
+    resolved.knobs = plan.notes
     optimizer, fused = build_optimizer(model, cfg.optim, device)
     if world > 1:
         distributed.seed_rank(cfg.seed, rank)
@@ -68,16 +108,21 @@ def setup(cfg: Any, stack: ExitStack) -> Setup:
     if cfg.dataloader.batch_size == "auto":  # the largest batch that fits, found before the loaders exist
         from perfrun.loop.auto_batch import resolve_auto_batch
 
-        auto_batch = resolve_auto_batch(cfg, device, plan, optimizer, len(data.train), seq_len, data.vocab_size)
-        cfg.dataloader.batch_size = auto_batch["batch_size"]
-
-    train_loader = build_loader(data.train, cfg.dataloader, device_type=device.type, shuffle=True, seed=cfg.seed,
+        auto_batch = resolve_auto_batch(cfg.dataloader, device, plan, optimizer, scheduler, len(data.train), seq_len,
+                                        data.vocab_size, clip=cfg.optim.grad_clip,
+                                        start=lambda limit, cap: auto_batch_start(cfg, data.vocab_size, limit, cap))
+        resolved.batch_size = int(auto_batch["batch_size"])
+    else:
+        resolved.batch_size = int(cfg.dataloader.batch_size)
+    batch_size = resolved.batch_size
+    dl = replace(cfg.dataloader, batch_size=batch_size)
+    train_loader = build_loader(data.train, dl, device_type=device.type, shuffle=True, seed=cfg.seed,
                                 rank=rank, world=world)
-    val_loader = build_loader(data.val, cfg.dataloader, device_type=device.type, shuffle=False, seed=cfg.seed,
+    val_loader = build_loader(data.val, dl, device_type=device.type, shuffle=False, seed=cfg.seed,
                               rank=rank, world=world)
 
     peak = resolve_peak(str(cfg.mfu.peak), device, mfu_dtype(cfg.precision.dtype, device, cfg.precision.tf32))
-    tokens_per_step = cfg.dataloader.batch_size * seq_len * plan.micro_steps * world  # all ranks together
+    tokens_per_step = batch_size * seq_len * plan.micro_steps * world  # all ranks together
     throughput = Throughput(tokens_per_step, model.flops_per_token(seq_len), peak.tflops, peak.source, world)
     facts: RunSummary = {
         "knobs": plan.notes, "fused_adamw": fused,
@@ -90,8 +135,8 @@ def setup(cfg: Any, stack: ExitStack) -> Setup:
     log.info(
         f"model {m.name}: {facts['params'] / 1e6:.2f}M parameters, seq_len {seq_len}, "
         f"{tokens_per_step:,} tokens/step, device {device} ({device_name(device)})"
-        + (f", {world} ranks ({cfg.distributed.upper()}, {cfg.dataloader.batch_size * world} sequences per micro-step in all)"
+        + (f", {world} ranks ({cfg.distributed.upper()}, {batch_size * world} sequences per micro-step in all)"
            if world > 1 else "")
     )
     log.info(peak.describe())
-    return Setup(device, plan, optimizer, scheduler, train_loader, val_loader, throughput, facts)
+    return Setup(device, plan, optimizer, scheduler, train_loader, val_loader, throughput, facts, resolved)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -55,8 +55,12 @@ class BatchStream:
             return "loader" if self.device.type == "cpu" else "loader, copied when taken"
         return "drawn on the device" if isinstance(self.loader.dataset, SyntheticTokens) else "copied ahead on a side stream"
 
-    def start(self, epoch: int, consumed: int) -> None:
-        self.epoch, self.consumed = epoch, consumed
+    def start(self, epoch: int | None = None, consumed: int | None = None) -> None:
+        """Batches from (epoch, consumed); by default from the position a checkpoint gave
+        (:meth:`load_state_dict`), else from the beginning."""
+        self.epoch = self.epoch if epoch is None else epoch
+        self.consumed = self.consumed if consumed is None else consumed
+        epoch, consumed = self.epoch, self.consumed
         self._ahead = None
         if self.ahead and isinstance(self.loader.dataset, SyntheticTokens):
             self._ahead = self._device_synthetic(epoch, consumed)
@@ -77,6 +81,14 @@ class BatchStream:
 
     def position(self) -> dict[str, int]:
         return self._host_position() if self._ahead is None else self._ahead.position()
+
+    def state_dict(self) -> dict[str, int]:
+        """A checkpoint's data position: the next batch the loop takes."""
+        return self.position()
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        """Start (at :meth:`start`) from a checkpoint's position."""
+        self.epoch, self.consumed = int(state_dict["epoch"]), int(state_dict["consumed"])
 
     def pop_gpu_wait_ms(self) -> list[float] | None:
         """How long the GPU waited for each batch since the last call (:class:`HandOffTimer`);
@@ -113,20 +125,48 @@ class BatchStream:
             world=getattr(sampler, "world", 1), consumed=consumed)
 
 
+class Batches(Protocol):
+    """Where a step takes its batches: the run's :class:`BatchStream`, or the random tokens
+    of a batch-size trial (:mod:`perfrun.loop.auto_batch`)."""
+
+    def start(self) -> None: ...
+
+    def take(self) -> tuple[torch.Tensor, ...]: ...
+
+
+class _NoMarks:
+    @staticmethod
+    def mark(phase: str) -> None:
+        """A phase of an untimed step ended: nothing to record."""
+
+
+class Untimed:
+    """The step metrics of a step that is no part of the run's figures (a batch-size trial)."""
+
+    phases = _NoMarks()
+
+    def begin_step(self) -> None:
+        """Nothing is timed."""
+
+    def end_step(self) -> None:
+        """Nothing is timed."""
+
+
 class TrainStep:
     """``plan.micro_steps`` micro-batches (forward under the plan's contexts, the plan's
-    backward), then the plan's optimizer step and the schedule, timed phase by phase."""
+    backward), then the plan's optimizer step and the schedule, timed phase by phase.
+    The one training step: the run's, and the batch-size search's trials."""
 
     def __init__(self, plan: Plan, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
-                 stream: BatchStream, metrics: StepMetrics, *, clip: float, device: torch.device) -> None:
+                 stream: Batches, metrics: StepMetrics | Untimed, *, clip: float, device: torch.device) -> None:
         self.plan, self.optimizer, self.scheduler, self.stream = plan, optimizer, scheduler, stream
         self.metrics, self.device = metrics, device
         self.params = [p for p in plan.raw_model.parameters() if p.requires_grad]
         self.clip = clip if clip > 0 else math.inf
 
-    def start(self, epoch: int, consumed: int) -> None:
-        """Batches from the given position, the model in training mode."""
-        self.stream.start(epoch, consumed)
+    def start(self) -> None:
+        """Batches from the stream's position (a resumed run's), the model in training mode."""
+        self.stream.start()
         self.plan.model.train()
 
     def __call__(self, step: int) -> tuple[torch.Tensor, torch.Tensor, float]:

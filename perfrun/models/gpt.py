@@ -228,6 +228,11 @@ class GPT(nn.Module):
             return self.lm_head(hidden), None
         return None, self.loss_fn(hidden, self.lm_head.weight, targets)
 
+    def new_kv_cache(self, batch: int, device: torch.device | str, dtype: torch.dtype,
+                     capacity: int | None = None) -> KVCache:
+        """A static cache of ``capacity`` positions (at most block_size) for generation."""
+        return KVCache.empty(self.config, batch, device, dtype, capacity)
+
     @torch.no_grad()
     def forward_cached(self, idx: torch.Tensor, cache: KVCache, last: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of the new tokens ``idx`` (B, T), which follow the ``cache.length`` tokens

@@ -1,4 +1,5 @@
-"""``model.init_from=PATH``: the weights of a Hugging Face GPT-2 folder start the run.
+"""``model.init_from=PATH``: the weights of a Hugging Face GPT-2 or Llama folder start the run
+(``model_type`` gpt2 for a GPT model group, llama for a Llama one).
 
 The folder is what ``transformers``' ``save_pretrained`` writes and what ``perfrun export
 format=safetensors`` writes: ``config.json`` with ``model.safetensors`` (or its shards and
@@ -31,8 +32,10 @@ from omegaconf import OmegaConf
 
 from perfrun.config import ConfigError, config_dir
 from perfrun.console import first_line
-from perfrun.inference.hf_layout import perfrun_state_dict
+from perfrun.inference.hf_layout import llama_state_dict, perfrun_state_dict
+from perfrun.model_schema import ModelConfig
 from perfrun.models.gpt import GPT
+from perfrun.models.llama import Llama
 
 SHAPE = {"n_layer": "n_layer", "n_head": "n_head", "n_embd": "n_embd", "block_size": "n_positions"}
 ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")  # GELU with the tanh approximation, as perfrun's
@@ -40,22 +43,32 @@ BUFFER = re.compile(r"^h\.\d+\.attn\.(masked_)?bias$")  # transformers' causal-m
 INSTALL_SAFETENSORS = "pip install safetensors (or 'perfrun[export]')"
 
 
-def read_config(folder: Path, shown: str) -> dict[str, Any]:
-    """config.json of a GPT-2 folder, checked to describe perfrun's architecture."""
+def config_json(folder: Path, shown: str, family: str = "gpt") -> dict[str, Any]:
+    """config.json of a Hugging Face folder of the model group's family (model_type gpt2 or llama)."""
+    arch = "GPT-2" if family == "gpt" else "Llama"
     if not folder.is_dir():
         what = "does not exist" if not folder.exists() else "is a file"
-        raise ConfigError(f"{shown} {what}; give a Hugging Face GPT-2 folder (config.json + model.safetensors)")
+        raise ConfigError(f"{shown} {what}; give a Hugging Face {arch} folder (config.json + model.safetensors)")
     try:
         config = json.loads((folder / "config.json").read_text())
     except FileNotFoundError:
-        raise ConfigError(f"{shown} is not a GPT-2 checkpoint folder: it has no config.json; give a folder written by "
-                          "save_pretrained or perfrun export format=safetensors") from None
+        raise ConfigError(f"{shown} is not a {arch} checkpoint folder: it has no config.json; give a folder written "
+                          "by save_pretrained or perfrun export format=safetensors") from None
     except (OSError, ValueError) as e:
         raise ConfigError(f"{shown}: config.json cannot be read as JSON ({first_line(e)}); the folder is damaged") from None
     kind = config.get("model_type") if isinstance(config, dict) else None
-    if kind != "gpt2":
-        raise ConfigError(f"{shown} holds a model_type={kind} checkpoint; perfrun's GPT is GPT-2's architecture, so "
-                          "model.init_from takes GPT-2 folders (model_type gpt2)")
+    want = "gpt2" if family == "gpt" else "llama"
+    if kind != want:
+        other = "a Llama model group (model=llama-tiny, smollm2-135m, llama-3.2-1b, ...)" if kind == "llama" else (
+            "a GPT model group (model=tiny, gpt2, ...)" if kind == "gpt2" else "a model perfrun has no family for")
+        raise ConfigError(f"{shown} holds a model_type={kind} checkpoint, which needs {other}; model.family={family} "
+                          f"takes {arch} folders (model_type {want})")
+    return config
+
+
+def read_config(folder: Path, shown: str) -> dict[str, Any]:
+    """config.json of a GPT-2 folder, checked to describe perfrun's architecture."""
+    config = config_json(folder, shown)
     act, eps, inner = config.get("activation_function", "gelu_new"), config.get("layer_norm_epsilon", 1e-5), config.get("n_inner")
     if act not in ACTIVATIONS or abs(float(eps) - 1e-5) > 1e-12 or inner not in (None, 4 * int(config.get("n_embd", 0))):
         raise ConfigError(f"{shown} is a GPT-2 variant (activation {act}, layer_norm_epsilon {eps}, n_inner {inner}) that "
@@ -63,23 +76,24 @@ def read_config(folder: Path, shown: str) -> dict[str, Any]:
     return config
 
 
-def _preset(shape: dict[str, int]) -> str | None:
-    """The model group's preset with this shape, if there is one."""
+def _preset(shape: dict[str, Any]) -> str | None:
+    """The model group's preset with this shape (dotted keys, the schema's defaults filling
+    what a preset leaves out), if there is one."""
     for path in sorted(Path(config_dir(), "model").glob("*.yaml")):
-        preset = OmegaConf.load(path)
-        if all(preset.get(k) == v for k, v in shape.items()):
+        preset = OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(path))
+        if all(OmegaConf.select(preset, k) == v for k, v in shape.items()):
             return path.stem
     return None
 
 
-def check_shape(config: dict[str, Any], model: GPT, model_cfg: Any, shown: str) -> None:
+def check_shape(config: dict[str, Any], model: GPT, model_cfg: ModelConfig, shown: str) -> None:
     """The folder's shape must be the model group's; else one line with the overrides."""
     theirs = {ours: int(config.get(key, config.get("n_ctx", 0) if key == "n_positions" else 0))
               for ours, key in SHAPE.items()}
     mine = {k: int(getattr(model.config, k)) for k in SHAPE}
     if theirs == mine:
         return
-    preset = _preset(theirs)
+    preset = _preset({"family": "gpt", **theirs})
     overrides = " ".join(f"model.{k}={v}" for k, v in theirs.items())
     raise ConfigError(
         f"{shown} is a GPT-2 of {', '.join(f'{k} {v}' for k, v in theirs.items())} but model={model_cfg.name} has "
@@ -88,7 +102,7 @@ def check_shape(config: dict[str, Any], model: GPT, model_cfg: Any, shown: str) 
     )
 
 
-def read_weights(folder: Path, shown: str) -> dict[str, torch.Tensor]:
+def read_weights(folder: Path, shown: str, arch: str = "GPT-2") -> dict[str, torch.Tensor]:
     """The tensors of model.safetensors (or its shards) or pytorch_model.bin, on the CPU."""
     index = folder / "model.safetensors.index.json"
     single = folder / "model.safetensors"
@@ -114,8 +128,8 @@ def read_weights(folder: Path, shown: str) -> dict[str, torch.Tensor]:
         raise
     except Exception as e:  # noqa: BLE001 - safetensors, torch.load and json each raise their own kinds
         raise ConfigError(f"{shown}: its weights cannot be read ({first_line(e)}); the file is damaged or not "
-                          "a GPT-2 checkpoint") from None
-    raise ConfigError(f"{shown} is not a GPT-2 checkpoint folder: it has config.json but no model.safetensors or "
+                          f"a {arch} checkpoint") from None
+    raise ConfigError(f"{shown} is not a {arch} checkpoint folder: it has config.json but no model.safetensors or "
                       "pytorch_model.bin")
 
 
@@ -134,31 +148,110 @@ def _perfrun_names(hf: dict[str, torch.Tensor], n_layer: int, shown: str) -> dic
                           "GPT-2 checkpoint of the shape its config.json gives") from None
 
 
-def _fit_vocab(sd: dict[str, torch.Tensor], rows: int, real: int, data_vocab: int, shown: str) -> None:
-    """Give the embedding the model's (padded) number of rows: drop padding rows beyond it,
-    add rows that start as the mean of the checkpoint's real ones."""
+def _pad_rows(t: torch.Tensor, rows: int, real: int) -> torch.Tensor:
+    """``rows`` rows of ``t``: padding rows beyond dropped, missing ones the mean of the real ones."""
+    if t.shape[0] >= rows:
+        return t[:rows]
+    return torch.cat([t, t[:real].float().mean(0, keepdim=True).to(t.dtype).expand(rows - t.shape[0], -1)])
+
+
+def _fit_vocab(sd: dict[str, torch.Tensor], rows: int, real: int, data_vocab: int, shown: str,
+               tied: bool = True) -> None:
+    """Give the embedding (and an untied head) the model's (padded) number of rows: drop
+    padding rows beyond it, add rows that start as the mean of the checkpoint's real ones."""
     if data_vocab != real:
         raise ConfigError(
             f"{shown} was trained on a vocabulary of {real} token ids but the data has {data_vocab}, so its ids are "
             "another tokenizer's; prepare the data with the checkpoint's tokenizer (GPT-2: perfrun prepare "
             "tokenizer=tiktoken:gpt2), or set data.vocab_size if the ids are the checkpoint's"
         )
-    wte = sd["wte.weight"]
-    if wte.shape[0] >= rows:
-        wte = wte[:rows]
-    else:
-        pad = wte[:real].float().mean(0, keepdim=True).to(wte.dtype).expand(rows - wte.shape[0], -1)
-        wte = torch.cat([wte, pad])
-    sd["wte.weight"] = sd["lm_head.weight"] = wte
+    sd["wte.weight"] = _pad_rows(sd["wte.weight"], rows, real)
+    sd["lm_head.weight"] = sd["wte.weight"] if tied else _pad_rows(sd["lm_head.weight"], rows, real)
 
 
-def init_from(model: GPT, model_cfg: Any, data_vocab: int) -> GPT:
+def llama_shape(config: dict[str, Any], shown: str) -> dict[str, Any]:
+    """A Llama config.json as the model group's keys (dotted), checked to be what perfrun's
+    Llama computes. RoPE: ``rope_parameters`` (transformers 5) or ``rope_theta`` and
+    ``rope_scaling`` (earlier versions)."""
+    rope = config.get("rope_parameters") or {}
+    scaling = rope if "factor" in rope else (config.get("rope_scaling") or {})
+    kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+    hidden, heads = int(config.get("hidden_size", 0)), int(config.get("num_attention_heads", 1))
+    act, head_dim = config.get("hidden_act", "silu"), config.get("head_dim") or hidden // max(heads, 1)
+    biased = bool(config.get("attention_bias")) or bool(config.get("mlp_bias"))
+    if kind not in ("default", "llama3") or act != "silu" or biased or head_dim * heads != hidden:
+        raise ConfigError(f"{shown} is a Llama variant (rope_type {kind}, hidden_act {act}, biases {biased}, head_dim "
+                          f"{head_dim}) that perfrun's Llama does not compute (default or llama3 RoPE, silu, no "
+                          "biases, head_dim = hidden_size / num_attention_heads)")
+    shape: dict[str, Any] = {
+        "n_layer": int(config.get("num_hidden_layers", 0)), "n_embd": hidden, "n_head": heads,
+        "n_kv_head": int(config.get("num_key_value_heads") or heads),
+        "intermediate_size": int(config.get("intermediate_size", 0)),
+        "rope_theta": float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
+        "norm_eps": float(config.get("rms_norm_eps", 1e-6)),
+        "tie_embeddings": bool(config.get("tie_word_embeddings", False)),
+        "rope_scaling.factor": float(scaling.get("factor", 1.0)) if kind == "llama3" else 1.0,
+    }
+    if kind == "llama3":
+        for key in ("low_freq_factor", "high_freq_factor"):
+            shape[f"rope_scaling.{key}"] = float(scaling[key])
+        shape["rope_scaling.original_max_position_embeddings"] = int(scaling["original_max_position_embeddings"])
+    return shape
+
+
+def check_llama_shape(config: dict[str, Any], model: Llama, model_cfg: ModelConfig, shown: str) -> None:
+    """The folder's Llama must be the model group's, and its context at least block_size;
+    else one line with the overrides (and the preset) that match it."""
+    theirs = llama_shape(config, shown)
+    c = model.config
+    mine = {k: getattr(c.rope_scaling, k.split(".")[1]) if k.startswith("rope_scaling.") else getattr(c, k)
+            for k in theirs}
+    context = int(config.get("max_position_embeddings", c.block_size))
+    if theirs == mine and c.block_size <= context:
+        return
+    differ = [f"{k} {theirs[k]} (here {mine[k]})" for k in theirs if theirs[k] != mine[k]]
+    preset = _preset({"family": "llama", **theirs})
+    overrides = " ".join(f"model.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in theirs.items())
+    if c.block_size > context:
+        differ.append(f"max_position_embeddings {context} (here block_size {c.block_size})")
+        overrides += f" model.block_size={context}"
+    raise ConfigError(f"{shown} is a Llama of another shape than model={model_cfg.name}: {', '.join(differ)}; use "
+                      + (f"model={preset} (or {overrides})" if preset else overrides))
+
+
+def _init_llama(model: Llama, model_cfg: ModelConfig, data_vocab: int, folder: Path, shown: str) -> Llama:
+    config = config_json(folder, shown, "llama")
+    check_llama_shape(config, model, model_cfg, shown)
+    try:
+        sd = llama_state_dict(read_weights(folder, shown, "Llama"), model.config.tie_embeddings)
+    except KeyError as e:
+        raise ConfigError(f"{shown}: its weights hold {e.args[0]}, which perfrun's Llama has no place for; it is "
+                          "not a Llama checkpoint of the shape its config.json gives") from None
+    if "wte.weight" not in sd or "lm_head.weight" not in sd:
+        raise ConfigError(f"{shown}: its weights have no embed_tokens or lm_head; the folder is damaged")
+    real = int(config.get("perfrun_real_vocab_size") or config.get("vocab_size") or sd["wte.weight"].shape[0])
+    _fit_vocab(sd, model.config.vocab_size, real, data_vocab, shown, tied=model.config.tie_embeddings)
+    _load(model, sd, shown)
+    return model
+
+
+def _load(model: torch.nn.Module, sd: dict[str, torch.Tensor], shown: str) -> None:
+    try:
+        model.load_state_dict(sd, strict=True)
+    except RuntimeError as e:
+        raise ConfigError(f"{shown}: its weights do not fit its config.json ({first_line(e, 120)}); the folder is "
+                          "damaged or hand-edited") from None
+
+
+def init_from(model: GPT | Llama, model_cfg: ModelConfig, data_vocab: int) -> GPT | Llama:
     """``model`` with the weights of ``model_cfg.init_from`` (unchanged when it is not set);
     anything that does not fit is a one-line ConfigError."""
     if not getattr(model_cfg, "init_from", None):
         return model
     folder = Path(str(model_cfg.init_from)).expanduser()
     shown = f"model.init_from={model_cfg.init_from}"
+    if isinstance(model, Llama):
+        return _init_llama(model, model_cfg, data_vocab, folder, shown)
     config = read_config(folder, shown)
     check_shape(config, model, model_cfg, shown)
     sd = _perfrun_names(read_weights(folder, shown), model.config.n_layer, shown)
@@ -169,9 +262,5 @@ def init_from(model: GPT, model_cfg: Any, data_vocab: int) -> GPT:
         if not key.endswith(".bias") or sd[key].any():
             raise ConfigError(f"{shown} has a non-zero {key} that model.bias=false leaves out; set model.bias=true")
         del sd[key]
-    try:
-        model.load_state_dict(sd, strict=True)
-    except RuntimeError as e:
-        raise ConfigError(f"{shown}: its weights do not fit its config.json ({first_line(e, 120)}); the folder is "
-                          "damaged or hand-edited") from None
+    _load(model, sd, shown)
     return model

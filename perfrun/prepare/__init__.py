@@ -1,3 +1,3 @@
 """Corpus to token files (train.bin, val.bin, meta.json) for data=memmap: reading and
 tokenising in worker processes (corpus), writing atomically (build), the keys (schema).
-May import config, console and data's tokenizers; the command is perfrun.commands.prepare."""
+May import data (its tokenizers) and checkpoint (atomic writes); the command is perfrun.commands.prepare."""

@@ -43,7 +43,7 @@ from perfrun.config import ConfigError
 from perfrun.data.files import corpus_files
 from perfrun.data.meta import META_NAME, TokenMeta, dtype_for, read_meta, write_meta
 from perfrun.data.tokenizers import EOT_NAMES, Tokenizer, load_tokenizer
-from perfrun.prepare.schema import validate
+from perfrun.prepare.schema import PrepareConfig, validate
 
 OURS = ("train.bin", "val.bin", META_NAME, "tokenizer.json")
 
@@ -220,7 +220,7 @@ def _tokenizer_in_folder(tok: Tokenizer, tmp: Path) -> str:
     return "tokenizer.json"
 
 
-def prepare(cfg: Any, console: Console) -> Prepared:
+def prepare(cfg: PrepareConfig, console: Console) -> Prepared:
     """Tokenise ``cfg.path`` into ``cfg.out``; bad input raises a one-line ConfigError."""
     t0 = time.perf_counter()
     path, out = validate(cfg)

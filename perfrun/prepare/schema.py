@@ -26,7 +26,7 @@ class PrepareConfig:
     progress: bool = _key(True, "a progress bar with tokens/s on the terminal")
 
 
-def validate(cfg: Any) -> tuple[Path, Path]:
+def validate(cfg: PrepareConfig) -> tuple[Path, Path]:
     """The corpus and the output folder, or a one-line ConfigError."""
     if not cfg.path or not cfg.out:
         missing = " and ".join(k for k in ("path", "out") if not getattr(cfg, k))

@@ -1,4 +1,4 @@
-"""Run, sweep and tune summaries: one table, a plot, CSV/JSON/HTML/Markdown, and the ablation.
+"""Run, sweep and tune summaries: one table, a plot, CSV/JSON/HTML/Markdown, and the ladder.
 
 One source of truth: every row is read back from a job's ``summary.json`` (and, for loss
 parity, its ``metrics.jsonl``). The sweep callback (:mod:`perfrun.report.sweep_callback`) and ``perfrun

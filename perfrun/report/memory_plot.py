@@ -13,10 +13,11 @@ import io
 import statistics
 from typing import Any
 
-from perfrun.telemetry.memory_tracker import CATEGORIES
-
-COLOURS = dict(zip(CATEGORIES, ("tab:blue", "tab:gray", "tab:orange", "tab:purple", "tab:green", "tab:red"),
-                   strict=True))
+# the tracker's categories in the order summary.json keeps them (perfrun/telemetry/memory_tracker.py),
+# each with its fixed colour
+COLOURS = {"Parameter": "tab:blue", "Buffer": "tab:gray", "Gradient": "tab:orange", "Optstate": "tab:purple",
+           "Activation": "tab:green", "Temp": "tab:red"}
+CATEGORIES = tuple(COLOURS)
 MEMORY_PNG = "memory_breakdown.png"
 
 

@@ -38,7 +38,7 @@ def plot_png(report: Report) -> bytes | None:
     from perfrun.report.ladder_plot import ladder_png
 
     try:
-        return ladder_png(report, report.ablations[0]) if report.ablations else _draw(report)
+        return ladder_png(report, report.ladders[0]) if report.ladders else _draw(report)
     except ImportError:
         return None
 

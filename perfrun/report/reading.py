@@ -243,5 +243,5 @@ def load(paths: Sequence[Path | str], *, loss_window: float = DEFAULT_LOSS_WINDO
     groups = group_repeats(rows)
     report = Report(rows, keys, _rank(rows, groups), paths=dirs)
     report.groups = groups
-    report.ablations = ladders(report, loss_window=loss_window)
+    report.ladders = ladders(report, loss_window=loss_window)
     return report

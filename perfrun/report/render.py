@@ -130,10 +130,10 @@ def to_dict(report: Report) -> dict[str, Any]:
         "best": report.best,
         "rows": [asdict(r) for r in report.rows],
         "repeats": [asdict(g) for g in report.groups if len(g.jobs) > 1],
-        "ablation": report.ablations,
+        "ablation": report.ladders,
     }
-    if len(report.ablations) == 1:  # one ladder: its parts at the top level too
-        out.update({k: report.ablations[0][k] for k in ("ladder", "leave_one_out", "tradeoffs", "recommended")})
+    if len(report.ladders) == 1:  # one ladder: its parts at the top level too
+        out.update({k: report.ladders[0][k] for k in ("ladder", "leave_one_out", "tradeoffs", "recommended")})
     return out
 
 
@@ -162,9 +162,9 @@ def sections(report: Report) -> list[Section]:
     out = [Section("perfrun: runs", run_columns(report), report.rows, run_mark,
                    BEST_CAPTION + (f" · peak memory: {', '.join(mem_sources)}" if mem_sources else ""))]
     repeated = [g for g in report.groups if len(g.jobs) > 1]
-    if repeated and not report.ablations:  # a ladder's tables group its repeats themselves
+    if repeated and not report.ladders:  # a ladder's tables group its repeats themselves
         out.append(Section("repeats of the same overrides", GROUP_COLUMNS, report.groups, group_mark, REPEATS_CAPTION))
-    for a in report.ablations:
+    for a in report.ladders:
         where = _where(a)
         caption = a["loss_rule"] + (f" · peak memory: {a['peak_mem_source']}" if a.get("peak_mem_source") else "")
         out.append(Section(f"ladder{where}: each rung adds one knob to the rung below", LADDER_COLUMNS, a["ladder"],
@@ -211,7 +211,7 @@ def notes(report: Report) -> list[str]:
              if r.status not in ("completed", "skipped") and r.reason]  # skipped rungs: the ladder says why
     lines += [f"{r.job}: contended, never ranked: {'; '.join(r.contention)}" for r in report.rows
               if r.contended and not r.ablation.get("rung")]
-    for a in report.ablations:
+    for a in report.ladders:
         where = f" ({a['root']})" if a["root"] else ""
         lines += [f"ladder{where}: {n}" for n in a["notes"]]
         lines.append(a["verdict"])

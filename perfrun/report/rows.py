@@ -50,7 +50,7 @@ class Report:
     rows: list[Row]
     swept_keys: list[str]
     best: str | None  # job label of the highest tokens/s
-    ablations: list[dict[str, Any]] = field(default_factory=list)
+    ladders: list[dict[str, Any]] = field(default_factory=list)
     groups: list[Any] = field(default_factory=list)  # repeats of the same overrides (reading.Group)
     paths: dict[str, Path] = field(default_factory=dict)  # job label -> job dir (not serialised)
 

@@ -28,7 +28,7 @@ def write_sweep_summary(sweep_dir: Path, console: Console | None = None) -> Repo
     png = plot_or_warn(report)
     if png is not None:
         atomic_write(sweep_dir / SWEEP_PNG, png)
-    memory = [p for p in map(memory_png, report.ablations) if p is not None][:1]  # the first ladder's
+    memory = [p for p in map(memory_png, report.ladders) if p is not None][:1]  # the first ladder's
     if memory:
         atomic_write(sweep_dir / MEMORY_PNG, memory[0])
     print_report(report, console)

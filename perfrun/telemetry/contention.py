@@ -4,7 +4,7 @@ Pure functions over figures the monitor and the loop already recorded, so each r
 checked on planted figures:
 
 - :func:`assess`: the ``contended`` verdict of one job, with its evidence. A comparison
-  between jobs (ablation, sweep, tune) must not rank a job that shared its machine: its
+  between jobs (ladder, sweep, tune) must not rank a job that shared its machine: its
   tokens/s measure the neighbour as much as the knob.
 - :func:`gpu_starved_pct`: the share of the step during which the GPU sat idle waiting for
   the next batch, from device-timed waits around the hand-off of each batch.

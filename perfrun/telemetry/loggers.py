@@ -16,15 +16,14 @@ import logging
 import math
 import netrc
 import os
-import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlparse
 from urllib.request import url2pathname
 
-from perfrun.config import ConfigError
+from perfrun.config import ConfigError, TrainConfig, as_dict
 from perfrun.console import first_line, warn
 from perfrun.telemetry.sinks import JsonlSink, shown_path
 
@@ -242,10 +241,11 @@ class MlflowLogger:
         self.client.set_terminated(self.run_id, ended)
 
 
-def job_names(cfg: Any, run_dir: Path | None) -> dict[str, Any]:
+def job_names(cfg: TrainConfig, run_dir: Path | None, sweep_args: Sequence[str] = ()) -> dict[str, Any]:
     """The names a job logs under: its project, its group (a sweep's jobs share the sweep
     dir's), its run name (a sweep job's number and the values swept, else the run dir's
-    date and time) and the folder a shared store goes in (the sweep dir, else the run dir)."""
+    date and time) and the folder a shared store goes in (the sweep dir, else the run dir).
+    ``sweep_args``: the sweep's command line, which tells the values swept from those fixed."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
@@ -254,7 +254,7 @@ def job_names(cfg: Any, run_dir: Path | None) -> dict[str, Any]:
         hc = HydraConfig.get()
         if hc.mode == RunMode.MULTIRUN:
             group, root = str(hc.sweep.dir), Path(hc.sweep.dir).absolute()
-            name = " ".join([str(hc.job.num), *swept_values(list(hc.overrides.task))])
+            name = " ".join([str(hc.job.num), *swept_values(list(hc.overrides.task), sweep_args)])
     if run_dir is not None and name is None:
         name = f"{run_dir.parent.name}/{run_dir.name}"
     lg = cfg.logger
@@ -262,38 +262,36 @@ def job_names(cfg: Any, run_dir: Path | None) -> dict[str, Any]:
             "run_dir": str(run_dir), "root": root}
 
 
-def swept_values(job_overrides: list[str]) -> list[str]:
+def swept_values(job_overrides: list[str], sweep_args: Sequence[str]) -> list[str]:
     """The job's overrides that its sweep varies: those the sweep's command line does not
     fix to one value (``seed=1,2`` there, ``seed=1`` here; ``+ablation=bf16`` from a preset)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     parser = OverridesParser.create()
-    fixed = {o.key_or_group for o in parser.parse_overrides([a for a in sys.argv[1:] if not a.startswith("-")])
+    fixed = {o.key_or_group for o in parser.parse_overrides([a for a in sweep_args if not a.startswith("-")])
              if not o.is_sweep_override()}
     return [text for text, o in zip(job_overrides, parser.parse_overrides(job_overrides), strict=True)
             if o.key_or_group not in fixed]
 
 
-def sweep_job_names(cfg: Any, run_dir: Path) -> dict[str, str]:
+def sweep_job_names(cfg: TrainConfig, run_dir: Path, sweep_args: Sequence[str]) -> dict[str, str]:
     """A sweep job's names as overrides for its ranks, which see a single run."""
     if cfg.logger.name == "none":
         return {}
-    names = job_names(cfg, run_dir)
+    names = job_names(cfg, run_dir, sweep_args)
     out = {"logger.group": names["group"], "logger.run_name": names["run_name"]}
     if cfg.logger.name == "mlflow" and not cfg.logger.dir and names["root"] is not None:
         out["logger.dir"] = str(Path(names["root"]) / "mlruns")
     return {k: v for k, v in out.items() if v}
 
 
-def start_logger(cfg: Any, run_dir: Path | None) -> Logger | None:
+def start_logger(cfg: TrainConfig, run_dir: Path | None, sweep_args: Sequence[str] = ()) -> Logger | None:
     """The logger ``cfg.logger`` names, started; None for ``logger=none`` or no run dir."""
-    from omegaconf import OmegaConf
-
     lg = cfg.logger
     if lg.name == "none" or (run_dir is None and not lg.dir):
         return None
-    names = job_names(cfg, run_dir)
-    config = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(cfg)
+    names = job_names(cfg, run_dir, sweep_args)
+    config = as_dict(cfg)
     if lg.name == "tensorboard":
         return TensorBoardLogger(Path(lg.dir) if lg.dir else Path(run_dir) / "tensorboard", config, names)
     if lg.name == "wandb":
@@ -333,13 +331,13 @@ class Sinks:
             self.logger = None
 
 
-def build_sinks(cfg: Any, run_dir: Path | None, rank: int) -> Sinks:
+def build_sinks(cfg: TrainConfig, run_dir: Path | None, rank: int, sweep_args: Sequence[str] = ()) -> Sinks:
     """metrics.jsonl and the chosen logger for rank 0; nothing for the other ranks."""
     if rank != 0:
         return Sinks(JsonlSink(None))
     check(cfg.logger)
     try:
-        logger = start_logger(cfg, run_dir)
+        logger = start_logger(cfg, run_dir, sweep_args)
     except Exception as e:  # noqa: BLE001 - a logger that cannot start is the user's to fix, before any work
         fix = "logger.mode=offline logs without a network" if cfg.logger.name == "wandb" else "check logger.dir"
         raise ConfigError(f"logger={cfg.logger.name} could not start ({type(e).__name__}: {first_line(e)}); "

@@ -63,8 +63,8 @@ class TrackedStep:
         self.at: int | None = None
         self.result: dict[str, Any] | None = None
 
-    def start(self, epoch: int, consumed: int) -> None:
-        self.inner.start(epoch, consumed)
+    def start(self) -> None:
+        self.inner.start()
 
     def __call__(self, step: int) -> tuple[torch.Tensor, torch.Tensor, float]:
         if self.at is None:  # the first step of this run (a resumed run's too) sets the cadence

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
 
-from perfrun.config import ConfigError
+from perfrun.config import ConfigError, TrainConfig
 
 log = logging.getLogger("perfrun")
 
@@ -55,7 +55,7 @@ def gpu_busy(trace: Path) -> dict[str, float]:
             "gpu_busy_pct": 100 * covered / (t1 - t0), "kernels_per_step": len(spans) / n}
 
 
-def attach_profiler(cfg: Any, device: torch.device, plan: Any, stack: ExitStack, run_dir: Path | None,
+def attach_profiler(cfg: TrainConfig, device: torch.device, plan: Any, stack: ExitStack, run_dir: Path | None,
                     record: bool = True) -> None:
     """Record steps ``start_step+warmup+1 ..`` for ``active`` steps; write a Chrome trace
     (open in https://ui.perfetto.dev), a TensorBoard trace and the top operators by self
@@ -119,7 +119,7 @@ def attach_profiler(cfg: Any, device: torch.device, plan: Any, stack: ExitStack,
                              "dir": str(out)}
 
 
-def start_memory_history(cfg: Any, device: torch.device, stack: ExitStack) -> bool:
+def start_memory_history(cfg: TrainConfig, device: torch.device, stack: ExitStack) -> bool:
     """Record the CUDA allocator's history from setup on (before the model is built);
     :func:`dump_memory_snapshot` writes it at the end and on an out-of-memory error."""
     if not cfg.memory_snapshot:

@@ -240,9 +240,10 @@ class StepMetrics:
             self.monitor.start()
             stack.callback(self.monitor.close)
 
-    def start(self, step: int, tokens: int) -> None:
-        """The loop starts after ``step`` steps and ``tokens`` tokens (a resumed run's)."""
-        self.start_step, self.start_tokens, self.tokens = step, tokens, tokens
+    def start(self, step: int) -> None:
+        """The loop starts after ``step`` steps (a resumed run's, whose tokens
+        :meth:`load_state_dict` gave)."""
+        self.start_step, self.tokens = step, self.start_tokens
         self.memory.reset()
         self._loop_t0 = time.perf_counter()
         self.timer.start()
@@ -275,6 +276,14 @@ class StepMetrics:
     def tokens_done(self) -> int:
         """Tokens of every rank up to the last step, logged or not (for a checkpoint)."""
         return self.start_tokens + len(self.host_wall) * self.throughput.tokens_per_step
+
+    def state_dict(self) -> int:
+        """A checkpoint's count of tokens seen (every rank's), logged or not."""
+        return self.tokens_done
+
+    def load_state_dict(self, state_dict: int | None) -> None:
+        """A resumed run counts on from the checkpoint's tokens (0 where an older file has none)."""
+        self.start_tokens = int(state_dict or 0)
 
     def should_log(self, step: int) -> bool:
         return step % self.config.log_every == 0 or step == self.config.max_steps

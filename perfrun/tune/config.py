@@ -16,8 +16,8 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
-from perfrun.commands.hydra_app import hydra_quoted
 from perfrun.config import CHOICES, TrainConfig
+from perfrun.console import hydra_quoted
 
 
 class TuneError(ValueError):

@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from perfrun.memory.estimate import EstimateError, estimate, variant
-from perfrun.memory.fit import advice, gib, parse_size, what_fits
+from perfrun.loop.memory.estimate import EstimateError, estimate, variant
+from perfrun.loop.memory.fit import advice, gib, parse_size, what_fits
 from perfrun.telemetry.memory_breakdown import one_line
 
 log = logging.getLogger("perfrun")
@@ -94,7 +94,7 @@ def gpu_check_estimate(device: torch.device, bf16: bool) -> dict[str, Any]:
 def auto_batch_start(cfg: Any, vocab_size: int, limit: int, cap: int) -> tuple[int | None, str]:
     """Where ``dataloader.batch_size=auto`` starts its search: the largest batch the
     estimate fits into ``limit`` (None, with why, when the estimate cannot be made)."""
-    from perfrun.memory.fit import largest_batch
+    from perfrun.loop.memory.fit import largest_batch
 
     try:
         batch, runs = largest_batch(lambda b: estimate(cfg, vocab_size, batch_size=b, top=0).peak_bytes, limit, cap=cap)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from perfrun.memory.estimate import Estimate
-from perfrun.memory.fit import gib
+from perfrun.loop.memory.estimate import Estimate
+from perfrun.loop.memory.fit import gib
 from perfrun.telemetry.memory_tracker import CATEGORIES
 
 

@@ -76,7 +76,8 @@ def variant(cfg: Any, **changes: Any) -> TrainConfig:
     dots = OmegaConf.create({})
     for key, value in changes.items():
         OmegaConf.update(dots, key, value, force_add=True)
-    return OmegaConf.merge(base, dots)  # type: ignore[return-value]
+    merged = OmegaConf.merge(base, dots)
+    return OmegaConf.to_object(merged) if OmegaConf.get_type(merged) is not dict else merged  # type: ignore[return-value]
 
 
 def target_device(cfg: Any) -> tuple[torch.device, str]:
