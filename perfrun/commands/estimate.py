@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from perfrun.commands.hydra_app import HydraCommand
-from perfrun.config import ConfigError, TrainConfig, validate
+from perfrun.config import ConfigError, TrainConfig
 from perfrun.console import error
+from perfrun.validate import validate
 
 CAP = 4096  # the largest batch the search tries
 
