@@ -91,6 +91,8 @@ class DataConfig:
     val_fraction: float = 0.1
     cache_dir: str | None = None  # None: $PERFRUN_CACHE or ~/.cache/perfrun
     tokenizer: str | None = None  # byte | tiktoken:gpt2 | a tokenizer.json (perfrun/data/tokenizers.py); memmap: from meta.json
+    target: str | None = None  # custom: your Dataset class (pkg.module.Class or file.py:Class), built with args
+    args: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -203,6 +205,8 @@ class AblationConfig:
     acts_on: str = "any"  # any | cuda | fp8 (FP8 tensor cores): where the rung's knob can act
     why: str = ""  # what the knob does (and why it cannot act elsewhere)
     repeats: int = 3  # +sweep=ablation: jobs per rung (repeat=0..repeats-1, interleaved)
+    budget_s: float | None = None  # seconds a job trains (after warm-up + 10 steady steps); null: max_steps
+    target_s: float | None = None  # +sweep=ablation: the ladder's wall-time aim, shared out as job budgets
 
 
 @dataclass
@@ -286,7 +290,7 @@ def group_listing() -> str:
 CHOICES = {
     "precision.dtype": ("float32", "bfloat16", "float16"),
     "checkpointing.name": ("none", "full", "selective"),
-    "data.name": ("pysource", "text", "memmap", "synthetic"),
+    "data.name": ("pysource", "text", "memmap", "synthetic", "custom"),
     "optim.name": ("adamw",),
     "optim.fused": ("auto", "true", "false"),
     "compile_options.mode": ("default", "max-autotune-no-cudagraphs", "reduce-overhead", "max-autotune"),
@@ -351,6 +355,6 @@ def _unknown_keys(node: Any, schema: Any, prefix: str = "") -> list[str]:
     for key in node.keys() if isinstance(node, DictConfig) else []:
         if key not in schema:
             unknown.append(f"{prefix}{key}")
-        elif isinstance(schema[key], DictConfig):
+        elif isinstance(schema[key], DictConfig) and f"{prefix}{key}" not in ("model.args", "data.args"):  # the user's
             unknown += _unknown_keys(node[key], schema[key], f"{prefix}{key}.")
     return unknown

@@ -57,10 +57,14 @@ def checkpoint_folder(configured: str | None, run_dir: Path | None) -> Path | No
     return run_dir / "checkpoints" if run_dir else None
 
 
-def model_shape(model: torch.nn.Module) -> dict[str, int]:
-    c = model.config
-    return {"n_layer": c.n_layer, "n_head": c.n_head, "n_embd": c.n_embd, "block_size": c.block_size,
-            "vocab_size": c.vocab_size}
+def model_shape(model: torch.nn.Module) -> dict[str, int | None]:
+    """The shape a checkpoint records and resume checks: perfrun's families' config fields;
+    a model without them (model=custom) has None there and its parameter count instead."""
+    c = getattr(model, "config", None)
+    shape = {k: getattr(c, k, None) for k in checkpoint_files.SHAPE_KEYS}
+    if c is None:
+        shape["params"] = sum(p.numel() for p in model.parameters())
+    return shape
 
 
 class Checkpointer:

@@ -321,7 +321,7 @@ def saved_world(ckpt: dict[str, Any]) -> int:
     return int(config.get("nproc") or 1)
 
 
-def check_compatible(ckpt: dict[str, Any], shape: dict[str, int], config: dict[str, Any], path: Path,
+def check_compatible(ckpt: dict[str, Any], shape: dict[str, int | None], config: dict[str, Any], path: Path,
                      world: int = 1) -> list[str]:
     """Refuse a checkpoint of another model shape, of another data order (seed, data), or of
     another global batch: resuming it could not continue the same run. The global batch is
@@ -353,9 +353,10 @@ def check_compatible(ckpt: dict[str, Any], shape: dict[str, int], config: dict[s
     return []
 
 
-def check_shape(ckpt: dict[str, Any], shape: dict[str, int], path: Path) -> None:
+def check_shape(ckpt: dict[str, Any], shape: dict[str, int | None], path: Path) -> None:
     saved = ckpt.get("model_shape", {})
-    diff = [f"{k} {saved.get(k)} vs {shape[k]}" for k in SHAPE_KEYS if saved.get(k) != shape[k]]
+    keys = [*SHAPE_KEYS, *(["params"] if "params" in shape else [])]  # params: a custom model's only figure
+    diff = [f"{k} {saved.get(k)} vs {shape[k]}" for k in keys if saved.get(k) != shape[k]]
     if diff:
         raise ConfigError(
             f"resume={path} was made with another model shape ({', '.join(diff)}: checkpoint vs this run); "

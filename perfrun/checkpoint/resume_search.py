@@ -54,13 +54,15 @@ class RunSearch:
 
 
 @dataclass
-class Candidate:
+class SavedRun:
+    """A run of this configuration under the outputs folder, and its newest checkpoint."""
+
     run_dir: Path
     checkpoint: Path
     step: int
 
 
-def _candidates(root: Path, config: str, exclude: Path | None) -> list[Candidate]:
+def _candidates(root: Path, config: str, exclude: Path | None) -> list[SavedRun]:
     found = []
     for saved in sorted(root.glob("**/.hydra/config.yaml")):
         run_dir = saved.parent.parent
@@ -74,11 +76,11 @@ def _candidates(root: Path, config: str, exclude: Path | None) -> list[Candidate
         except Exception:  # noqa: BLE001 - an unreadable config is not this job's
             continue
         if same:
-            found.append(Candidate(run_dir, ckpts[-1], int(_STEP.search(ckpts[-1].name).group(1))))
+            found.append(SavedRun(run_dir, ckpts[-1], int(_STEP.search(ckpts[-1].name).group(1))))
     return sorted(found, key=lambda c: c.checkpoint.stat().st_mtime)
 
 
-def find_run(search: RunSearch, max_steps: int) -> Candidate | None:
+def find_run(search: RunSearch, max_steps: int) -> SavedRun | None:
     """The run that ``resume=auto`` continues, None when there is none; ConfigError when
     several could be meant or the only one is already at ``max_steps``."""
     root = search.root

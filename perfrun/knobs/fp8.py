@@ -34,6 +34,7 @@ import torch.nn as nn
 from perfrun.config import CHOICES, ConfigError, TrainConfig
 from perfrun.device_conditions import FP8_MIN_CAPABILITY
 from perfrun.environment import torchao_available
+from perfrun.knobs.refusal import KnobRefused
 
 log = logging.getLogger("perfrun")
 
@@ -113,7 +114,7 @@ def convert(model: nn.Module, recipe: str, *, tokens: int | None = None, emulate
     layers = choose_layers(model)
     if not layers.convert:
         reasons = sorted(set(layers.kept.values())) or ["the model has no Linear layer"]
-        raise ConfigError(f"precision=fp8: no Linear layer can run in FP8 ({reasons[0]}); "
+        raise KnobRefused("precision=fp8", f"precision=fp8: no Linear layer can run in FP8 ({reasons[0]}); "
                           "use precision=bf16, or model.n_embd a multiple of 16")
     layers.pad_inner_dim = tokens is None or tokens % ALIGN != 0
     config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulate,

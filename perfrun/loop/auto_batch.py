@@ -219,32 +219,31 @@ def release(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
-class RandomBatches:
-    """A trial's batches: random tokens of the run's sequence length, ``size`` sequences, from
-    a private generator (the run's random streams are not drawn from)."""
+class ItemBatches:
+    """A trial's batches: ``size`` copies of one training item (input, target), so that any
+    model gets its own shapes and dtypes; the run's random streams are not drawn from."""
 
-    def __init__(self, device: torch.device, seq_len: int, vocab_size: int) -> None:
-        self.device, self.seq_len, self.vocab_size, self.size = device, seq_len, vocab_size, 1
-        self._gen = torch.Generator(device=device).manual_seed(0)
+    def __init__(self, device: torch.device, example: tuple[torch.Tensor, torch.Tensor]) -> None:
+        self.example = tuple(t.to(device) for t in example)
+        self.size = 1
 
     def start(self) -> None:
-        """Nothing to start: every batch is drawn when it is taken."""
+        """Nothing to start: every batch is made when it is taken."""
 
     def take(self) -> tuple[torch.Tensor, torch.Tensor]:
-        shape = (self.size, self.seq_len)
-        return (torch.randint(self.vocab_size, shape, device=self.device, generator=self._gen),
-                torch.randint(self.vocab_size, shape, device=self.device, generator=self._gen))
+        x, y = (t.unsqueeze(0).expand(self.size, *t.shape).contiguous() for t in self.example)
+        return x, y
 
 
 class StepTrial:
     """``trial(batch) -> bool``: does one training step at ``batch`` fit? See the module doc."""
 
     def __init__(self, plan: Plan, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
-                 device: torch.device, seq_len: int, vocab_size: int, budget_bytes: int | None, *,
+                 device: torch.device, example: tuple[torch.Tensor, torch.Tensor], budget_bytes: int | None, *,
                  clip: float) -> None:
         self.model, self.optimizer, self.device, self.budget = plan.raw_model, optimizer, device, budget_bytes
         self.peak_mib: dict[int, float] = {}
-        self.batches = RandomBatches(device, seq_len, vocab_size)
+        self.batches = ItemBatches(device, example)
         # the trainer's step over one micro-batch of the plain model, without the step hooks
         one_micro_batch = replace(plan, model=plan.raw_model, micro_steps=1, step_hooks=[], step_start_hooks=[])
         self.step = TrainStep(one_micro_batch, optimizer, scheduler, self.batches, Untimed(), clip=clip, device=device)
@@ -307,7 +306,7 @@ def _set_rng_state(device: torch.device, state: tuple[torch.Tensor, torch.Tensor
 
 def resolve_auto_batch(
     dl: DataLoaderConfig, device: torch.device, plan: Plan, optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler, train_sequences: int, seq_len: int, vocab_size: int,
+    scheduler: torch.optim.lr_scheduler.LRScheduler, train_sequences: int, example: tuple[torch.Tensor, torch.Tensor],
     clip: float, start: Callable[[int, int], tuple[int | None, str]] | None = None,
 ) -> dict[str, Any]:
     """Find the batch for ``dataloader.batch_size=auto``; return what was chosen and how, for
@@ -327,7 +326,7 @@ def resolve_auto_batch(
     if dl.max_batch_size is not None and dl.max_batch_size < cap:
         cap, cap_source = int(dl.max_batch_size), "dataloader.max_batch_size"
     budget = None if budget_mib is None else int(budget_mib * MIB)
-    trial = StepTrial(plan, optimizer, scheduler, device, seq_len, vocab_size, budget, clip=clip)
+    trial = StepTrial(plan, optimizer, scheduler, device, example, budget, clip=clip)
     limit = budget if budget is not None else torch.cuda.get_device_properties(device).total_memory
     estimated, how = start(limit, cap) if start is not None else (None, "no estimate")  # where the search starts
     rng, schedule, loss_scale = _rng_state(device), scheduler.state_dict(), plan.state_dict()

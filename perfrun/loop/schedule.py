@@ -11,6 +11,7 @@ from pathlib import Path
 from perfrun.checkpoint.checkpointer import Checkpointer, Start, checkpoint_folder
 from perfrun.checkpoint.resume_search import RunSearch
 from perfrun.config import TrainConfig
+from perfrun.loop.budget import TimeBudget
 from perfrun.loop.evaluation import Evaluator
 from perfrun.loop.setup import Setup
 from perfrun.loop.step import BatchStream, TrainStep
@@ -33,6 +34,7 @@ class Loop:
     evaluator: Evaluator
     checkpointer: Checkpointer
     stop: GracefulStop
+    budget: TimeBudget
 
 
 def build_loop(cfg: TrainConfig, built: Setup, run_dir: Path | None, sink: RecordSink, reporter: ConsoleReporter,
@@ -60,6 +62,7 @@ def build_loop(cfg: TrainConfig, built: Setup, run_dir: Path | None, sink: Recor
         max_steps=cfg.max_steps,
         train_step=train_step,
         metrics=metrics, guard=guard, checkpointer=checkpointer, stop=stop,
+        budget=TimeBudget(cfg.ablation.budget_s, cfg.timing_warmup_steps, cfg.max_steps),
         evaluator=Evaluator(plan, built.val_loader, device, every=cfg.eval_every, batches=cfg.eval_batches,
                             max_steps=cfg.max_steps),
     )
@@ -75,6 +78,7 @@ def train_loop(loop: Loop, start: Start) -> RunSummary:
     checkpointer, stop = loop.checkpointer, loop.stop
     train_step.start()
     metrics.start(start.step)
+    loop.budget.start(start.step)
     step, interrupted_by, failure = start.step, None, None
     try:
         for step in range(start.step + 1, loop.max_steps + 1):
@@ -95,6 +99,8 @@ def train_loop(loop: Loop, start: Start) -> RunSummary:
             if evaluator.should_run(step):
                 with metrics.paused():
                     metrics.log_eval(step, evaluator.run())
+            if loop.budget.spent(step):
+                break
         guard.flush()
         if interrupted_by is None:
             checkpointer.save_at_end(step)
@@ -104,6 +110,7 @@ def train_loop(loop: Loop, start: Start) -> RunSummary:
     result = metrics.summary(step)
     result.update(evaluator.summary())
     result.update(checkpointer.summary())
+    result.update(loop.budget.summary())
     result.update(data_position=train_step.stream.position(), guard=guard.summary(),
                   interrupted_by=interrupted_by, failure=failure)
     return result

@@ -23,7 +23,7 @@ import torch
 
 from perfrun import distributed
 from perfrun.summary import RunSummary
-from perfrun.telemetry.contention import gpu_starved_pct
+from perfrun.telemetry.contention import LoadMeter, gpu_starved_pct
 from perfrun.telemetry.monitor import Monitor
 from perfrun.telemetry.sinks import ConsoleReporter, RecordSink
 
@@ -219,6 +219,7 @@ class StepMetrics:
         self.gpu_wait_ms: list[float] | None = None
         self.timer, self.phases, self.memory = StepTimer(device), PhaseTimer(device), MemoryTracker(device)
         self.monitor: Monitor | None = None
+        self.load: LoadMeter | None = None  # the host's CPU at log points when the monitor is off
         self.host_wall: list[float] = []  # per step of this process, index = step - start_step - 1
         self.data_wait: list[float] = []
         self.loss_sum = torch.zeros((), device=device)
@@ -239,6 +240,8 @@ class StepMetrics:
             self.monitor = Monitor(device, cfg_monitor)
             self.monitor.start()
             stack.callback(self.monitor.close)
+        else:
+            self.load = LoadMeter()
 
     def start(self, step: int) -> None:
         """The loop starts after ``step`` steps (a resumed run's, whose tokens
@@ -246,6 +249,8 @@ class StepMetrics:
         self.start_step, self.tokens = step, self.start_tokens
         self.memory.reset()
         self._loop_t0 = time.perf_counter()
+        if self.load is not None:
+            self.load.start()
         self.timer.start()
 
     def begin_step(self) -> None:
@@ -299,12 +304,17 @@ class StepMetrics:
         self.train_time += interval_time
         self.tokens += interval_tokens
         tokens_per_s = self.throughput.tokens_per_s(interval_time, n)
+        if self.load is not None:
+            self.load.interval(first, done, interval_time / n)
         self.last_train_loss = distributed.mean_over_ranks(self.loss_sum).item() / n  # the global batch's loss
         wall = sum(self.host_wall[first:done])
+        steady = self.timer.durations[max(first, self.config.warmup_steps):done]  # as the summary's median: no warm-up
         record = {
             "kind": "train", "step": step, "max_steps": self.config.max_steps, "loss": self.last_train_loss,
             "lr": self.lr(), "grad_norm": self.grad_norm.item(),
             "step_time_ms": 1000 * interval_time / n, "tokens_per_s": tokens_per_s,
+            "steady_tokens_per_s": self.throughput.tokens_per_s(sum(steady), len(steady)) if steady else None,
+            "steady_steps_in_interval": len(steady),
             "mfu": self.throughput.mfu(tokens_per_s),
             "host_data_wait_pct": 100 * sum(self.data_wait[first:done]) / wall if wall > 0 else 0.0,
             "gpu_starved_pct": self._gpu_starved_pct(first, done, interval_time),
@@ -384,6 +394,8 @@ class StepMetrics:
         }
         if self.monitor is not None:
             result.update(self._monitor_summary())
+        if self.load is not None:
+            result["host_load"] = self.load.figures(warmup)
         result.update(self.extra)
         return result
 
