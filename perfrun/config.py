@@ -140,6 +140,16 @@ class MonitorConfig:
 
 
 @dataclass
+class MemoryConfig:
+    """Where the memory goes (perfrun/telemetry/memory_breakdown.py) and whether it will fit
+    (perfrun/loop/memory/): the tracked step of a run, the estimate said before step 1."""
+
+    breakdown: bool = False  # one step after the warm-up runs under torch's memory tracker
+    estimate: bool | None = None  # the estimate in the log's first lines; null: on CUDA only
+    size: str | None = None  # the memory to fit into, e.g. 80GiB; null: the visible GPU's
+
+
+@dataclass
 class MfuConfig:
     peak: str = "datasheet"  # datasheet | measured | a number in TFLOPS
 
@@ -224,6 +234,7 @@ class TrainConfig:
     progress: str = "auto"  # auto | bar | plain | off
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     mfu: MfuConfig = field(default_factory=MfuConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
     checkpoint: CheckpointSaveConfig = field(default_factory=CheckpointSaveConfig)
     resume: str | None = None  # auto | a checkpoint file or folder | null
     guard: GuardConfig = field(default_factory=GuardConfig)

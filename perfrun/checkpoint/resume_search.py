@@ -21,7 +21,7 @@ from perfrun.checkpoint.names import list_checkpoints
 from perfrun.config import ConfigError
 
 IGNORED = ("resume", "max_steps", "progress", "log_every", "monitor", "logger", "mfu", "timing_warmup_steps",
-           "checkpoint", "profile", "profiler", "memory_snapshot", "hydra")
+           "checkpoint", "profile", "profiler", "memory_snapshot", "memory", "hydra")
 _STEP = re.compile(r"step_(\d+)")
 _SHOWN = 3  # ambiguous runs named in the refusal
 

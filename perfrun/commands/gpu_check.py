@@ -66,9 +66,28 @@ def main(argv: list[str] | None = None, *, nvml_module: Any = None) -> int:
     with _stdout_to_stderr(args.json):
         report = gather(args.device, quick=args.quick, nvml_module=nvml_module)
         checks = evaluate(report)
+        _memory_estimate(report, quick=args.quick)
     add_verdict(report, checks)
     if args.json:
         sys.stdout.write(to_json(report))
     else:
         render(report, checks, Console())
+        if "memory_estimate" in report:
+            from perfrun.loop.memory.preflight import gpu_check_line
+
+            Console(highlight=False).print(gpu_check_line(report["memory_estimate"]), markup=False)
     return report["exit_code"]
+
+
+def _memory_estimate(report: dict[str, Any], *, quick: bool) -> None:
+    """The GPT-2 124M shape's estimated peak against the checked GPU's memory (not with
+    --quick, not without a GPU): an estimate, labelled so."""
+    index = report.get("device_index") or 0
+    if quick or not report["cuda"]["torch_device_count"] or index >= report["cuda"]["torch_device_count"]:
+        return
+    import torch
+
+    from perfrun.loop.memory.preflight import gpu_check_estimate
+
+    bf16 = bool((report.get("capabilities") or {}).get("bf16"))
+    report["memory_estimate"] = gpu_check_estimate(torch.device("cuda", index), bf16)

@@ -307,10 +307,11 @@ def _set_rng_state(device: torch.device, state: tuple[torch.Tensor, torch.Tensor
 def resolve_auto_batch(
     dl: DataLoaderConfig, device: torch.device, plan: Plan, optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler, train_sequences: int, example: tuple[torch.Tensor, torch.Tensor],
-    clip: float,
+    clip: float, start: Callable[[int, int], tuple[int | None, str]] | None = None,
 ) -> dict[str, Any]:
     """Find the batch for ``dataloader.batch_size=auto``; return what was chosen and how, for
-    summary.json (``batch_size`` is the choice). The run then starts as if it had been given."""
+    summary.json (``batch_size`` is the choice). The run then starts as if it had been given.
+    ``start(limit_bytes, cap)``: the batch the memory estimate fits, where the search begins."""
     budget_mib = dl.memory_budget_mib
     if device.type != "cuda" and budget_mib is None:
         import psutil
@@ -326,12 +327,14 @@ def resolve_auto_batch(
         cap, cap_source = int(dl.max_batch_size), "dataloader.max_batch_size"
     budget = None if budget_mib is None else int(budget_mib * MIB)
     trial = StepTrial(plan, optimizer, scheduler, device, example, budget, clip=clip)
+    limit = budget if budget is not None else torch.cuda.get_device_properties(device).total_memory
+    estimated, how = start(limit, cap) if start is not None else (None, "no estimate")  # where the search starts
     rng, schedule, loss_scale = _rng_state(device), scheduler.state_dict(), plan.state_dict()
     t0 = time.perf_counter()
     try:
         with compilation.eager():  # each trial's batch would compile anew (scope=blocks compiles in place)
             trial.prime()
-            result = search(trial, start=1, cap=cap, margin=float(dl.batch_margin))
+            result = search(trial, start=estimated or 1, cap=cap, margin=float(dl.batch_margin))
     except NoBatchFits:
         where = f"the budget of {budget_mib:,.0f} MiB" if budget_mib is not None else f"{device}'s memory"
         raise ConfigError(
@@ -360,6 +363,8 @@ def resolve_auto_batch(
         "method": method,
         "trials": [[b, ok, trial.peak_mib.get(b)] for b, ok in result.trials],
         "search_s": round(seconds, 3),
+        "estimate": {"largest_batch": estimated, "how": how, "measured": False,
+                     "off_pct": 100 * (estimated / result.max_fit - 1) if estimated else None},
     }
     fail = f", first failing {result.first_fail}" if result.first_fail is not None else ""
     log.info(
@@ -367,4 +372,7 @@ def resolve_auto_batch(
         f"stopped by {stopped_by}, margin {result.margin:.0%}) after {len(result.trials)} trials in {seconds:.1f} s; "
         f"memory: {method}"
     )
+    if estimated:
+        log.info(f"batch_size=auto: the estimate said {estimated} fits ({how}); the search found {result.max_fit} "
+                 f"({notes['estimate']['off_pct']:+.0f} %)")
     return notes

@@ -17,6 +17,7 @@ from perfrun.loop.setup import Setup
 from perfrun.loop.step import BatchStream, TrainStep
 from perfrun.loop.stopping import Diverged, GracefulStop, NonFiniteGuard
 from perfrun.summary import RunSummary
+from perfrun.telemetry.memory_breakdown import TrackedStep
 from perfrun.telemetry.sinks import ConsoleReporter, RecordSink
 from perfrun.telemetry.step_metrics import MetricsConfig, StepMetrics
 
@@ -27,7 +28,7 @@ class Loop:
     """The parts the loop calls, each deciding its own cadence."""
 
     max_steps: int
-    train_step: TrainStep
+    train_step: TrainStep | TrackedStep
     metrics: StepMetrics
     guard: NonFiniteGuard
     evaluator: Evaluator
@@ -53,9 +54,13 @@ def build_loop(cfg: TrainConfig, built: Setup, run_dir: Path | None, sink: Recor
     checkpointer = Checkpointer(cfg.checkpoint, checkpoint_folder(cfg.checkpoint.dir, run_dir), parts, sink.write,
                                 sharded=plan.sharded_state, all_finite=guard.all_finite, paused=metrics.paused,
                                 config=built.resolved.config_record(cfg), seed=cfg.seed, max_steps=cfg.max_steps, search=search)
+    train_step: TrainStep | TrackedStep = TrainStep(plan, optimizer, scheduler, stream, metrics,
+                                                    clip=cfg.optim.grad_clip, device=device)
+    if cfg.memory.breakdown:  # one step after the warm-up runs under the memory tracker
+        train_step = TrackedStep(train_step, metrics, sink, warmup=cfg.timing_warmup_steps, max_steps=cfg.max_steps)
     return Loop(
         max_steps=cfg.max_steps,
-        train_step=TrainStep(plan, optimizer, scheduler, stream, metrics, clip=cfg.optim.grad_clip, device=device),
+        train_step=train_step,
         metrics=metrics, guard=guard, checkpointer=checkpointer, stop=stop,
         budget=TimeBudget(cfg.ablation.budget_s, cfg.timing_warmup_steps, cfg.max_steps),
         evaluator=Evaluator(plan, built.val_loader, device, every=cfg.eval_every, batches=cfg.eval_batches,

@@ -16,6 +16,7 @@ from perfrun.config import ConfigError, TrainConfig, as_dict
 from perfrun.data import build_datasets, build_loader
 from perfrun.environment import device_name
 from perfrun.knobs import Plan, apply_knobs, fp8, fsdp, refuse_unmet
+from perfrun.loop.memory.preflight import auto_batch_start, train_preflight
 from perfrun.loop.optimizer import build_optimizer, build_scheduler
 from perfrun.models.build import build_model
 from perfrun.models.contract import describe, knob_fits, model_class, parameter_counts
@@ -95,6 +96,7 @@ def setup(cfg: TrainConfig, stack: ExitStack, resolved: Resolved) -> Setup:
     data = build_datasets(cfg.data, seq_len, cfg.seed)
     resolved.tokenizer, resolved.vocab_size = data.tokenizer, data.vocab_size  # what the ids are, recorded with the run
     log.info(data.description)
+    memory_estimate = train_preflight(cfg, data.vocab_size, device, world) if rank == 0 else None
 
     m = cfg.model
     model = build_model(m, data.vocab_size, cfg.attention)
@@ -120,7 +122,8 @@ def setup(cfg: TrainConfig, stack: ExitStack, resolved: Resolved) -> Setup:
         from perfrun.loop.auto_batch import resolve_auto_batch
 
         auto_batch = resolve_auto_batch(cfg.dataloader, device, plan, optimizer, scheduler, len(data.train), example,
-                                        clip=cfg.optim.grad_clip)
+                                        clip=cfg.optim.grad_clip,
+                                        start=lambda limit, cap: auto_batch_start(cfg, data.vocab_size, limit, cap))
         resolved.batch_size = int(auto_batch["batch_size"])
     else:
         resolved.batch_size = int(cfg.dataloader.batch_size)
@@ -141,6 +144,7 @@ def setup(cfg: TrainConfig, stack: ExitStack, resolved: Resolved) -> Setup:
         "vocab_size": data.vocab_size, "vocab_size_padded": resolved.vocab_size_padded,
         "seq_len": seq_len, "tokens_per_step": tokens_per_step, **flops.facts(), **peak.facts(),
         "data": data.description, "batch_size_auto": auto_batch, "memory_snapshot": snapshot,
+        "memory_estimate": memory_estimate,
     }
     log.info(
         f"model {m.name}: {facts['params'] / 1e6:.2f}M parameters, seq_len {seq_len}, "

@@ -29,6 +29,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from perfrun.report.memory_plot import add_savings, rung_breakdown
 from perfrun.report.metrics_file import train_records
 from perfrun.report.noise import OUTLIER_RATIO, Effect, Spread, effect, outliers, spread
 from perfrun.report.rows import Report, Row, finite
@@ -167,6 +168,7 @@ def _entry(rs: _Rungs, rung: str, against: Spread | None = None, base: Spread | 
         "vs_baseline": e_base.ratio, "vs_baseline_noise_pct": e_base.noise_pct,
         "vs_baseline_measurable": e_base.measurable, "vs_baseline_single": e_base.single,
         "peak_mem_mib": _median([r.peak_mem_mib for r in counted]),
+        "memory_breakdown": rung_breakdown([rs.summary(r) for r in counted]),
         "first_step_s": _median([r.first_step_s for r in counted]),
         **rs.loss(rung),
     }
@@ -226,11 +228,14 @@ def _tradeoffs(rs: _Rungs, top: str | None) -> list[dict[str, Any]]:
                         spread_pct_at_largest=tps.half_pct)
         else:
             line.update(rung=rung, tokens_per_s=tps.median, spread_pct=tps.half_pct, n=tps.n,
-                        peak_mem_mib=_median([r.peak_mem_mib for r in rs.counted(rung)]))
+                        peak_mem_mib=_median([r.peak_mem_mib for r in rs.counted(rung)]),
+                        memory_breakdown=rung_breakdown([rs.summary(r) for r in rs.counted(rung)]))
     if top is not None and "checkpointing=none" in settings:
         t = rs.tps(top)
         settings["checkpointing=none"].update(rung=top, tokens_per_s=t.median, spread_pct=t.half_pct, n=t.n,
-                                              peak_mem_mib=_median([r.peak_mem_mib for r in rs.counted(top)]))
+                                              peak_mem_mib=_median([r.peak_mem_mib for r in rs.counted(top)]),
+                                              memory_breakdown=rung_breakdown([rs.summary(r) for r in rs.counted(top)]))
+    add_savings(list(settings.values()))  # the category each memory knob freed (memory_verdict)
     return list(settings.values())
 
 

@@ -178,7 +178,8 @@ def sections(report: Report) -> list[Section]:
         if a["tradeoffs"]:
             out.append(Section(f"memory trade-offs{where}: the top rung with each setting, apart from speed",
                                TRADEOFF_COLUMNS, a["tradeoffs"], lambda t: None,
-                               "largest batch: dataloader.batch_size=auto (on a CPU within its tensor budget)"))
+                               "largest batch: dataloader.batch_size=auto (on a CPU within its tensor budget)"
+                               + "".join(f" · {t['memory_verdict']}" for t in a["tradeoffs"] if t.get("memory_verdict"))))
     return out
 
 

@@ -231,6 +231,8 @@ class StepMetrics:
         self.last_val_loss: float | None = None
         self.first_step_s: float | None = None
         self._loop_t0 = self._step_t0 = 0.0
+        self.untimed: set[int] = set()  # local indices of steps kept out of the speed figures (a tracked step)
+        self.extra: RunSummary = {}  # figures other parts of the loop add to the summary (memory.breakdown)
 
     def start_monitor(self, cfg_monitor: Any, device: torch.device, stack: ExitStack) -> None:
         """NVML and host sampling in a background thread, when ``monitor.every_n_steps`` > 0."""
@@ -270,6 +272,10 @@ class StepMetrics:
             self.timer.flush()
             self.first_step_s = time.perf_counter() - self._loop_t0
         self.reporter.advance(step)
+
+    def keep_out_of_speed(self, step: int) -> None:
+        """Step ``step`` runs slower on purpose (under the memory tracker): no speed figure counts it."""
+        self.untimed.add(step - self.start_step - 1)
 
     @property
     def tokens_done(self) -> int:
@@ -362,7 +368,8 @@ class StepMetrics:
         """The job's figures: medians over the steady steps (after ``warmup_steps``)."""
         self.timer.flush()
         warmup, durations = self.config.warmup_steps, self.timer.durations
-        steady, steady_wall = durations[warmup:], self.host_wall[warmup:]
+        steady = [d for i, d in enumerate(durations) if i >= warmup and i not in self.untimed]
+        steady_wall = [w for i, w in enumerate(self.host_wall) if i >= warmup and i not in self.untimed]
         if not steady:
             log.warning(f"no steady-state steps: all {len(durations)} steps ran within timing_warmup_steps={warmup}, "
                         "so the summary has no tokens/s or MFU; raise max_steps or lower timing_warmup_steps")
@@ -377,7 +384,8 @@ class StepMetrics:
             "tokens_per_s_per_rank_median": tokens_per_s / throughput.world if tokens_per_s else None,
             "world_size": throughput.world, "mfu_median": throughput.mfu(tokens_per_s) if tokens_per_s else None,
             "peak_mem_mib": self.memory.peak_mib(), "peak_mem_source": self.memory.source,
-            "host_data_wait_pct": (100 * sum(self.data_wait[warmup:]) / sum(steady_wall)
+            "host_data_wait_pct": (100 * sum(w for i, w in enumerate(self.data_wait) if i >= warmup and i not in self.untimed)
+                                   / sum(steady_wall)
                               if steady_wall and sum(steady_wall) > 0 else None),
             "gpu_starved_pct": self._gpu_starved_pct(warmup, len(durations), sum(steady)),
             "compile_s_estimate": (self.first_step_s - med) if (self.compiled and self.first_step_s and med) else None,
@@ -388,6 +396,7 @@ class StepMetrics:
             result.update(self._monitor_summary())
         if self.load is not None:
             result["host_load"] = self.load.figures(warmup)
+        result.update(self.extra)
         return result
 
     def _monitor_summary(self) -> RunSummary:
