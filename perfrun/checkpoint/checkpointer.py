@@ -12,6 +12,7 @@ shards. The file formats are in :mod:`perfrun.checkpoint.files`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import warnings
@@ -57,11 +58,15 @@ def checkpoint_folder(configured: str | None, run_dir: Path | None) -> Path | No
     return run_dir / "checkpoints" if run_dir else None
 
 
-def model_shape(model: torch.nn.Module) -> dict[str, int | None]:
+def model_shape(model: torch.nn.Module) -> dict[str, Any]:
     """The shape a checkpoint records and resume checks: perfrun's families' config fields;
     a model without them (model=custom) has None there and its parameter count instead."""
     c = getattr(model, "config", None)
-    shape = {k: getattr(c, k, None) for k in checkpoint_files.SHAPE_KEYS}
+    shape: dict[str, Any] = {k: getattr(c, k, None) for k in checkpoint_files.SHAPE_KEYS}
+    for k in checkpoint_files.ARCH_KEYS:
+        if hasattr(c, k):
+            value = getattr(c, k)
+            shape[k] = dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
     if c is None:
         shape["params"] = sum(p.numel() for p in model.parameters())
     return shape
