@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import tempfile
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -190,6 +191,9 @@ def _profiled() -> Iterator[Any]:
     the bytes allocated during it (its trace's ``Total Allocated``, from the profile's start)."""
     from torch.profiler import ProfilerActivity, profile
 
+    # kineto prints "profiler_start" / "profiler_stop" lines on stderr at its default level, which
+    # read as noise in a training log; a level the user set stays
+    os.environ.setdefault("KINETO_LOG_LEVEL", "9")
     result = {"peak": 0}
     prof: AbstractContextManager[Any] = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
     with prof as p:
