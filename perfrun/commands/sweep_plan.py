@@ -94,6 +94,7 @@ class SweepPlan:
 
 def _calibrate(cfg: DictConfig) -> Timing:
     """A few steps of ``cfg`` on this device, in a folder of its own that is then removed."""
+    from perfrun.config import typed
     from perfrun.loop.run import run
 
     short = OmegaConf.merge(cfg, {"max_steps": CALIBRATION_STEPS, "timing_warmup_steps": 1, "progress": "off",
@@ -101,7 +102,7 @@ def _calibrate(cfg: DictConfig) -> Timing:
                                   "checkpoint": {"at_end": False, "every_n_steps": 0}, "resume": None,
                                   "logger": {"name": "none"}, "ablation": {"budget_s": None}})
     with tempfile.TemporaryDirectory(prefix="perfrun-calibration-") as tmp:
-        s = run(short, Path(tmp))
+        s = run(typed(short), Path(tmp))
     step_s = (s.get("step_time_ms_median") or 0.0) / 1000
     train_s = float(s.get("train_time_s") or 0.0)
     wall = float(s.get("wall_s") or 0.0)
