@@ -27,6 +27,12 @@ TINY = [
 ]
 
 
+# The job tests/test_distributed.py and tests/test_fsdp.py run on 2 ranks (x batch 2) and in one
+# process (x batch 4, the same global batch), with 2 micro-steps.
+RANKS_COMMON = [*TINY_MODEL, "max_steps=6", "log_every=1", "eval_every=0", "eval_batches=2", "device=cpu",
+                "progress=off", "monitor.every_n_steps=0", "optim.warmup_steps=2", "accumulation.steps=2"]
+
+
 def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
     if torch.cuda.is_available():
         return
@@ -58,6 +64,17 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def one_process_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    """RANKS_COMMON in one process with batch 4: the losses, weights and summary that 2 DDP or
+    FSDP ranks must match. Trained once per session (each xdist worker has its own); the tests
+    only read its run dir (its last checkpoint is step 6)."""
+    from perfrun.loop.run import run
+
+    run_dir = tmp_path_factory.mktemp("one-process")
+    return run_dir, run(make_cfg(*RANKS_COMMON, "dataloader.batch_size=4"), run_dir)
 
 
 def make_cfg(*overrides: str, tiny: bool = True) -> TrainConfig:
