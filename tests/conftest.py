@@ -77,6 +77,20 @@ def one_process_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dic
     return run_dir, run(make_cfg(*RANKS_COMMON, "dataloader.batch_size=4"), run_dir)
 
 
+@pytest.fixture(scope="session")
+def text_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real checkpoint from a short run on byte-level text (this repo's own source), with
+    bias-free linears (an export fills GPT-2's biases with zeros): what test_generate.py and
+    test_export.py read. Trained once per session; the tests only read its run folder."""
+    from perfrun.checkpoint import files as checkpoint_files
+    from perfrun.loop.run import run
+
+    folder = tmp_path_factory.mktemp("text-run")
+    run(make_cfg("max_steps=12", "checkpoint.every_n_steps=12", "data=text", f"data.path={REPO / 'perfrun'}",
+                 "eval_batches=1", "model.bias=false"), folder)
+    return checkpoint_files.list_checkpoints(folder / "checkpoints")[-1]
+
+
 def make_cfg(*overrides: str, tiny: bool = True) -> TrainConfig:
     """A job's configuration as ``perfrun train`` makes it: composed from conf/, then typed."""
     register_configs()
@@ -97,6 +111,21 @@ def run_cli(*args: str, cwd: Path, timeout: float = 240, env: dict[str, str] | N
         [sys.executable, "-m", "perfrun", *args], cwd=cwd, env=full_env,
         capture_output=True, text=True, timeout=timeout,
     )
+
+
+def launch(*args: str, cwd: Path) -> int:
+    """``perfrun ARGS`` with the launcher in this process (a process start fewer than
+    :func:`run_cli`): what it starts, torchrun and its ranks, are real processes that import
+    this checkout. Its exit code."""
+    from perfrun.commands.dispatch import main as cli_main
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(cwd)
+        mp.setenv("PYTHONPATH", _pythonpath())
+        try:
+            return cli_main(list(args))
+        except SystemExit as e:  # Hydra's app exits through SystemExit
+            return int(e.code or 0)
 
 
 def start_train(cwd: Path, *args: str) -> subprocess.Popen:

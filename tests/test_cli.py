@@ -72,7 +72,7 @@ def test_shell_completion_of_the_other_hydra_commands(tmp_path: Path, line: str,
 
 
 def test_plain_run_writes_its_run_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                      capfd: pytest.CaptureFixture[str]) -> None:
+                                      capfd: pytest.CaptureFixture[str], one_thread: None) -> None:
     """In this process, its file descriptors captured (a fresh interpreter adds nothing that
     test_bad_input_in_a_real_process and the sweeps here do not already start)."""
     monkeypatch.chdir(tmp_path)
@@ -103,7 +103,8 @@ def test_train_json_prints_the_summary_on_stdout(tmp_path: Path, monkeypatch: py
     assert [j["config"]["seed"] for j in jobs] == [1, 2] and [j["status"] for j in jobs] == ["completed"] * 2
 
 
-def test_gpt2_with_checkpointing_and_accumulation(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gpt2_with_checkpointing_and_accumulation(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  one_thread: None) -> None:
     """The issue's command verbatim, with gpt2 cut to 3 of its 12 blocks to stay fast (in
     this process: the command line is the point, not a fresh interpreter)."""
     monkeypatch.chdir(tmp_path)

@@ -17,12 +17,11 @@ from typing import Any
 
 import pytest
 
-from perfrun.commands.dispatch import main as cli_main
 from perfrun.data import ResumableSampler
 from perfrun.loop.run import run
 from perfrun.telemetry.sinks import gpu_parts
 
-from conftest import RANKS_COMMON, REPO, losses, make_cfg, run_cli
+from conftest import RANKS_COMMON, REPO, launch, losses, make_cfg
 
 # float32 sums in another order (two half-batch means averaged by the all-reduce, against
 # one mean over the whole batch): equal to ~1e-7 relative; 1e-5 leaves room.
@@ -35,11 +34,11 @@ CHUNKED = ["loss=chunked", "loss.chunk_size=24"]  # 2 x 32 = 64 rows per rank: 3
 @pytest.fixture(scope="module")
 def ddp_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """2 ranks x batch 2 through ``perfrun train distributed=ddp nproc=2`` (which starts
-    torchrun), no hydra.run.dir: the parent resolves outputs/DATE/TIME once for both."""
+    torchrun; the launcher in this process), no hydra.run.dir: the parent resolves
+    outputs/DATE/TIME once for both."""
     cwd = tmp_path_factory.mktemp("ddp")
-    p = run_cli("train", *COMMON, "distributed=ddp", "nproc=2", "dataloader.batch_size=2",
-                "checkpoint.every_n_steps=3", "checkpoint.keep_last=5", "monitor.every_n_steps=3", cwd=cwd, timeout=120)
-    assert p.returncode == 0, p.stderr
+    assert launch("train", *COMMON, "distributed=ddp", "nproc=2", "dataloader.batch_size=2",
+                  "checkpoint.every_n_steps=3", "checkpoint.keep_last=5", "monitor.every_n_steps=3", cwd=cwd) == 0
     return cwd
 
 
@@ -98,10 +97,9 @@ def test_a_sweep_of_distributed_jobs_starts_torchrun_per_job(tmp_path: Path) -> 
     jobs use loss=chunked, so the 2-rank job also shows the chunked loss under DDP training
     as loss=standard does in one process with the same global batch (a torchrun start fewer
     than a run of its own; test_speed_knobs.py holds the FSDP2 case)."""
-    p = run_cli("train", "-m", *COMMON, "max_steps=4", "distributed=ddp", "nproc=1,2", "dataloader.batch_size=2",
-                "checkpoint.at_end=false", "profile=true", "profiler.start_step=1", "profiler.warmup=0",
-                "profiler.active=1", *CHUNKED, cwd=tmp_path, timeout=180)
-    assert p.returncode == 0, p.stderr
+    assert launch("train", "-m", *COMMON, "max_steps=4", "distributed=ddp", "nproc=1,2", "dataloader.batch_size=2",
+                  "checkpoint.at_end=false", "profile=true", "profiler.start_step=1", "profiler.warmup=0",
+                  "profiler.active=1", *CHUNKED, cwd=tmp_path) == 0
     (sweep,) = tmp_path.glob("outputs/multirun/*/*")
     summaries = [json.loads((sweep / str(n) / "summary.json").read_text()) for n in (0, 1)]
     assert [s["status"] for s in summaries] == ["completed", "completed"]
@@ -120,7 +118,7 @@ def test_a_sweep_of_distributed_jobs_starts_torchrun_per_job(tmp_path: Path) -> 
 
 
 def test_resume_auto_under_ddp_continues_the_run_in_its_run_dir_exactly(
-        ddp_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]) -> None:
+        ddp_run: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     """distributed=ddp nproc=2 resume=auto: the launcher decides once, before the ranks start,
     and both ranks resume from the one checkpoint into the one run dir, bit for bit (same
     ranks, same order). A copy of the module's 2-rank run, its step-6 checkpoint removed, is
@@ -129,12 +127,9 @@ def test_resume_auto_under_ddp_continues_the_run_in_its_run_dir_exactly(
     shutil.copytree(ddp_run / "outputs", tmp_path / "outputs")
     (run_dir,) = [p.parent.relative_to(tmp_path) for p in tmp_path.glob("outputs/*/*/summary.json")]
     (tmp_path / run_dir / "checkpoints" / "step_0000006.pt").unlink()
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
     capfd.readouterr()
-    assert cli_main(["train", *COMMON, "distributed=ddp", "nproc=2", "dataloader.batch_size=2",
-                     "checkpoint.every_n_steps=3", "checkpoint.keep_last=5", "monitor.every_n_steps=3",
-                     "resume=auto"]) == 0
+    assert launch("train", *COMMON, "distributed=ddp", "nproc=2", "dataloader.batch_size=2", "checkpoint.every_n_steps=3",
+                  "checkpoint.keep_last=5", "monitor.every_n_steps=3", "resume=auto", cwd=tmp_path) == 0
     assert f"continuing the run in {run_dir} from step 3" in capfd.readouterr().err
     assert [p.relative_to(tmp_path) for p in tmp_path.glob("outputs/*/*")] == [run_dir]  # no second run dir
     assert len(list(tmp_path.rglob("metrics.jsonl"))) == 1
@@ -184,10 +179,13 @@ def test_a_checkpoint_from_before_ranks_were_recorded_infers_them(ddp_run: Path,
     (["distributed=ddp", "nproc=2", "model.n_embd=33"], "model.n_embd=33 is not divisible by model.n_head=2"),
     (["distributed=ddp", "nproc=2", "dataloader.batch_size=auto"], "batch_size=auto is not supported with distributed=ddp"),
 ])
-def test_bad_distributed_input_gets_one_line(args: list[str], says: str, tmp_path: Path) -> None:
-    p = run_cli("train", *COMMON, *args, cwd=tmp_path)
-    lines = [line for line in p.stderr.splitlines() if line.strip()]
-    assert p.returncode == 2 and len(lines) == 1 and says in lines[0], p.stderr
+def test_bad_distributed_input_gets_one_line(args: list[str], says: str, tmp_path: Path,
+                                            capfd: pytest.CaptureFixture[str]) -> None:
+    """In this process (test_cli.py checks the exit code and stderr of a real process)."""
+    code = launch("train", *COMMON, *args, cwd=tmp_path)
+    err = capfd.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and says in lines[0], err
     assert not (tmp_path / "outputs").exists()
 
 

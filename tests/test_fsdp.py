@@ -30,14 +30,13 @@ from torch.distributed.tensor import DTensor
 
 from perfrun import distributed
 from perfrun.checkpoint import files as checkpoint_files
-from perfrun.commands.dispatch import main as cli_main
 from perfrun.config import ConfigError
 from perfrun.inference.loading import load_model
 from perfrun.knobs import Plan, apply_knobs
 from perfrun.loop.run import run
 from perfrun.models.gpt import GPT, GPTConfig
 
-from conftest import RANKS_COMMON, REPO, losses, make_cfg, run_cli, torchrun
+from conftest import RANKS_COMMON, REPO, launch, losses, make_cfg, torchrun
 
 TOL = 1e-5  # float32 sums in another order (see test_distributed.py)
 STEPS = 6
@@ -46,12 +45,12 @@ COMMON = RANKS_COMMON  # 6 steps of the tiny model, 2 micro-steps
 
 @pytest.fixture(scope="module")
 def fsdp_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """2 ranks x batch 2 x 2 micro-steps, through ``perfrun train distributed=fsdp nproc=2``."""
+    """2 ranks x batch 2 x 2 micro-steps, through ``perfrun train distributed=fsdp nproc=2``
+    (the launcher in this process; torchrun and the ranks are real processes)."""
     run_dir = tmp_path_factory.mktemp("fsdp") / "run"
-    p = run_cli("train", *COMMON, "distributed=fsdp", "nproc=2", "dataloader.batch_size=2",
-                "checkpoint.every_n_steps=3", "checkpoint.keep_last=5", f"hydra.run.dir={run_dir}",
-                cwd=run_dir.parent, timeout=120)
-    assert p.returncode == 0, p.stderr
+    assert launch("train", *COMMON, "distributed=fsdp", "nproc=2", "dataloader.batch_size=2",
+                  "checkpoint.every_n_steps=3", "checkpoint.keep_last=5", f"hydra.run.dir={run_dir}",
+                  cwd=run_dir.parent) == 0
     return run_dir
 
 
@@ -201,8 +200,7 @@ def test_generate_and_export_read_a_sharded_checkpoint(
         torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_sigterm_stops_every_rank_at_one_step_and_the_sharded_save_resumes(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_sigterm_stops_every_rank_at_one_step_and_the_sharded_save_resumes(tmp_path: Path) -> None:
     """SIGTERM to ``perfrun train distributed=fsdp nproc=2`` (as a scheduler sends it): the
     launcher passes it to torchrun, which passes it to both ranks; they agree on one step,
     write one sharded checkpoint together, and exit 143; resume=auto continues from there
@@ -225,9 +223,7 @@ def test_sigterm_stops_every_rank_at_one_step_and_the_sharded_save_resumes(
     meta = checkpoint_files.load(ckpt)
     assert meta["step"] == s["steps"] and meta["world_size"] == 2 and len(list(ckpt.glob("*.distcp"))) == 2
     stop = s["steps"]
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("PYTHONPATH", env["PYTHONPATH"])
-    assert cli_main(["train", *args, "nproc=2", f"max_steps={stop + 2}", "resume=auto"]) == 0
+    assert launch("train", *args, "nproc=2", f"max_steps={stop + 2}", "resume=auto", cwd=tmp_path) == 0
     s2 = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert s2["status"] == "completed" and s2["start_step"] == stop and s2["steps"] == stop + 2
 

@@ -23,7 +23,7 @@ from perfrun.models.gpt import GPT, GPTConfig
 from perfrun.models.losses import build
 from perfrun.validate import validate
 
-from conftest import TINY_MODEL, losses, make_cfg, run_cli
+from conftest import TINY_MODEL, launch, losses, make_cfg
 
 TOL = 1e-5  # relative; fp32 sums in another order
 STEPS = 4
@@ -63,9 +63,8 @@ def test_chunked_under_two_ranks_trains_as_standard_in_one_process(
     """2 ranks x batch 2 x 2 micro-steps against one process x batch 4 x 2 micro-steps.
     DDP's case is the 2-rank job of test_distributed.py's sweep (its own torchrun start
     already, so no second one here)."""
-    p = run_cli("train", *COMMON, *CHUNKED, f"distributed={mode}", "nproc=2", "dataloader.batch_size=2",
-                "accumulation.steps=2", f"hydra.run.dir={tmp_path}", cwd=tmp_path, timeout=120)
-    assert p.returncode == 0, p.stderr
+    assert launch("train", *COMMON, *CHUNKED, f"distributed={mode}", "nproc=2", "dataloader.batch_size=2",
+                  "accumulation.steps=2", f"hydra.run.dir={tmp_path}", cwd=tmp_path) == 0  # torchrun's ranks
     s = json.loads((tmp_path / "summary.json").read_text())
     assert s["world_size"] == 2 and s["knobs"]["distributed"] == mode and s["knobs"]["loss"]["name"] == "chunked"
     assert_close(losses(standard_runs[2]), losses(tmp_path))
