@@ -48,6 +48,21 @@ def _cache_dir(tmp_path_factory: pytest.TempPathFactory) -> None:
     os.environ["PERFRUN_CACHE"] = str(tmp_path_factory.mktemp("perfrun-cache"))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _one_thread_per_process() -> Iterator[None]:
+    """Every job of the suite, in this process or started by it, on one thread: tiny models
+    run fastest so, and two test workers on 2 cores (``pytest -n 2``) would otherwise make
+    twice as many OpenMP threads spin against each other (up to 100x slower). A caller's own
+    OMP_NUM_THREADS is kept."""
+    before, env = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+    torch.set_num_threads(int(env or 1))
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # run_cli, start_train, torchrun and their ranks
+    yield
+    torch.set_num_threads(before)
+    if env is None:
+        os.environ.pop("OMP_NUM_THREADS", None)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _no_compiled_code_between_files() -> Iterator[None]:
     """What a test file compiles stays in that file: tests that check a job leaves torch's
@@ -59,7 +74,9 @@ def _no_compiled_code_between_files() -> Iterator[None]:
 @pytest.fixture(scope="module")
 def one_thread() -> Iterator[None]:
     """Tiny models run fastest on one thread, and a second process on this 2-core box
-    (a parallel test run) makes two OpenMP threads spin against it (100x slower)."""
+    (a parallel test run) makes two OpenMP threads spin against it (100x slower). The
+    session already runs on one thread (``_one_thread_per_process``); this keeps a module
+    on one even where the caller's OMP_NUM_THREADS asks for more."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

@@ -168,9 +168,10 @@ def test_resume_auto_in_a_sweep_continues_each_job_of_the_sweep_before(tmp_path:
         assert Path(s["resumed_from"]).absolute().parent.parent == first / job
 
 
-# resume=auto with two ranks (distributed=ddp nproc=2): tests/test_distributed.py continues a
-# copy of its 2-rank run there (test_resume_auto_with_two_ranks_continues_the_run_in_its_run_dir),
-# so no 2-rank run is trained here for it.
+# resume=auto with two ranks (distributed=ddp nproc=2, the launcher deciding once for both
+# ranks): tests/test_distributed.py continues a copy of its 2-rank run in its run dir
+# (test_resume_auto_under_ddp_continues_the_run_in_its_run_dir_exactly), so no 2-rank run is
+# trained here for it.
 
 
 # -- 4. one run per run dir ---------------------------------------------------------------------
