@@ -91,6 +91,8 @@ class DataConfig:
     val_fraction: float = 0.1
     cache_dir: str | None = None  # None: $PERFRUN_CACHE or ~/.cache/perfrun
     tokenizer: str | None = None  # byte | tiktoken:gpt2 | a tokenizer.json (perfrun/data/tokenizers.py); memmap: from meta.json
+    target: str | None = None  # custom: your Dataset class (pkg.module.Class or file.py:Class), built with args
+    args: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -135,6 +137,16 @@ class MonitorConfig:
     every_n_steps: int = 10  # NVML and host telemetry; 0 turns it off
     sample_interval_s: float = 0.1  # background sampler period
     pcie: bool = False  # PCIe throughput: each NVML call blocks ~20 ms
+
+
+@dataclass
+class MemoryConfig:
+    """Where the memory goes (perfrun/telemetry/memory_breakdown.py) and whether it will fit
+    (perfrun/loop/memory/): the tracked step of a run, the estimate said before step 1."""
+
+    breakdown: bool = False  # one step after the warm-up runs under torch's memory tracker
+    estimate: bool | None = None  # the estimate in the log's first lines; null: on CUDA only
+    size: str | None = None  # the memory to fit into, e.g. 80GiB; null: the visible GPU's
 
 
 @dataclass
@@ -193,6 +205,8 @@ class AblationConfig:
     acts_on: str = "any"  # any | cuda | fp8 (FP8 tensor cores): where the rung's knob can act
     why: str = ""  # what the knob does (and why it cannot act elsewhere)
     repeats: int = 3  # +sweep=ablation: jobs per rung (repeat=0..repeats-1, interleaved)
+    budget_s: float | None = None  # seconds a job trains (after warm-up + 10 steady steps); null: max_steps
+    target_s: float | None = None  # +sweep=ablation: the ladder's wall-time aim, shared out as job budgets
 
 
 @dataclass
@@ -220,6 +234,7 @@ class TrainConfig:
     progress: str = "auto"  # auto | bar | plain | off
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     mfu: MfuConfig = field(default_factory=MfuConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
     checkpoint: CheckpointSaveConfig = field(default_factory=CheckpointSaveConfig)
     resume: str | None = None  # auto | a checkpoint file or folder | null
     guard: GuardConfig = field(default_factory=GuardConfig)
@@ -275,7 +290,7 @@ def group_listing() -> str:
 CHOICES = {
     "precision.dtype": ("float32", "bfloat16", "float16"),
     "checkpointing.name": ("none", "full", "selective"),
-    "data.name": ("pysource", "text", "memmap", "synthetic"),
+    "data.name": ("pysource", "text", "memmap", "synthetic", "custom"),
     "optim.name": ("adamw",),
     "optim.fused": ("auto", "true", "false"),
     "compile_options.mode": ("default", "max-autotune-no-cudagraphs", "reduce-overhead", "max-autotune"),
@@ -340,6 +355,6 @@ def _unknown_keys(node: Any, schema: Any, prefix: str = "") -> list[str]:
     for key in node.keys() if isinstance(node, DictConfig) else []:
         if key not in schema:
             unknown.append(f"{prefix}{key}")
-        elif isinstance(schema[key], DictConfig):
+        elif isinstance(schema[key], DictConfig) and f"{prefix}{key}" not in ("model.args", "data.args"):  # the user's
             unknown += _unknown_keys(node[key], schema[key], f"{prefix}{key}.")
     return unknown

@@ -3,15 +3,17 @@
 It lives apart from :mod:`perfrun.config` (which imports it and registers it) so that the
 schema of each family sits in one short place; like config, it imports no torch (shell
 completion reads it). ``family`` picks the architecture: ``gpt`` (GPT-2's, perfrun/models/gpt.py)
-or ``llama`` (perfrun/models/llama.py). The Llama fields mean nothing to GPT, so a GPT model
+or ``llama`` (perfrun/models/llama.py), or ``custom``: the user's own nn.Module, ``model.target``
+built with ``model.args`` (perfrun/models/custom.py). The Llama fields mean nothing to GPT, so a GPT model
 that sets one away from its default is refused rather than silently ignored.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from typing import Any
 
-FAMILIES = ("gpt", "llama")
+FAMILIES = ("gpt", "llama", "custom")
 
 
 @dataclass
@@ -47,6 +49,9 @@ class ModelConfig:
     rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
     norm_eps: float = 1e-5  # RMSNorm's epsilon
     tie_embeddings: bool = True  # the head shares the token embedding's weight (GPT always does)
+    # custom only: the class (pkg.module.Class or path/to/file.py:Class) and its keyword arguments
+    target: str | None = None
+    args: dict[str, Any] = field(default_factory=dict)
 
 
 LLAMA_ONLY = ("n_kv_head", "intermediate_size", "multiple_of", "ffn_dim_multiplier", "rope_theta", "rope_scaling",
@@ -75,6 +80,17 @@ def model_problem(m: ModelConfig) -> str | None:
         return f"model.n_embd={m.n_embd} is not divisible by model.n_head={m.n_head}; pick n_embd as a multiple of n_head"
     if not 0.0 <= m.dropout < 1.0:
         return f"model.dropout={m.dropout} must be in [0, 1); set model.dropout=0.0"
+    if m.family == "custom":
+        if not m.target:
+            return ("model=custom needs model.target, the class of your model (pkg.module.ClassName or "
+                    "path/to/file.py:ClassName), e.g. model.target=examples/seq_classifier.py:SeqClassifier")
+        if m.init_from:
+            return ("model.init_from loads a Hugging Face GPT-2 or Llama folder, not a custom model's weights; "
+                    "remove it (load your weights in your class's __init__)")
+        return None
+    if m.target or m.args:
+        return (f"model.target and model.args apply to model=custom but model={m.name} is perfrun's {m.family}; "
+                "remove them, or add model=custom")
     if m.family == "gpt":
         defaults = _defaults()
         changed = [k for k in LLAMA_ONLY if _as_plain(getattr(m, k)) != _as_plain(defaults[k])]

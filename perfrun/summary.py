@@ -12,7 +12,7 @@ from typing import Any, Literal, TypedDict
 
 SUMMARY_FILE = "summary.json"
 
-# skipped: a ladder rung whose knob cannot act on this device (perfrun/loop/run.py: _skip_rung)
+# skipped: a ladder rung whose knob cannot act on this device or model (perfrun/commands/rungs.py)
 Status = Literal["running", "completed", "interrupted", "failed", "skipped"]
 
 
@@ -41,7 +41,12 @@ class RunSummary(TypedDict, total=False):
     vocab_size_padded: int
     seq_len: int
     tokens_per_step: int
-    flops_per_token: float
+    flops_per_token: float  # what MFU uses: the model's formula, else the counted figure
+    flops_per_token_source: str  # formula | counted | none
+    flops_per_token_counted: float | None  # FlopCounterMode over one forward and backward (perfrun/models/flops.py)
+    flops_per_token_formula: float | None  # the model's flops_per_token(seq_len), where it has one
+    model_class: str  # the module trained (perfrun.models.gpt.GPT, or the user's class)
+    knob_fits: list[dict[str, Any]]  # each configured knob: applies or not, and why (perfrun/models/contract.py)
     data: str
     batch_size_auto: dict[str, Any] | None
     memory_snapshot: bool | None
@@ -86,6 +91,7 @@ class RunSummary(TypedDict, total=False):
     monitor: dict[str, Any]
     monitor_ranks: list[dict[str, Any]]
     monitor_job: dict[str, Any]
+    host_load: dict[str, Any]  # with the monitor off: the host CPU figures contention is judged by
     contention: dict[str, Any]  # did the job have the machine? telemetry.contention.assess
 
 

@@ -56,6 +56,7 @@ def validate(cfg: TrainConfig) -> None:
         )
     check_distributed(cfg)
     _check_mfu_peak(str(cfg.mfu.peak))
+    check_bounds(cfg)
 
 
 def _check_keys_and_choices(cfg: TrainConfig) -> None:
@@ -187,3 +188,22 @@ def check_distributed(cfg: TrainConfig, world: int | None = None) -> None:
     if cfg.dataloader.batch_size == "auto" and world > 1:
         raise ConfigError(f"dataloader.batch_size=auto is not supported with distributed={cfg.distributed} yet (each rank could "
                           "choose another batch); give a number, e.g. one that perfrun train found on one process")
+
+
+#: The most micro-batches per optimizer step: GPT-2's 0.5M-token batch at batch_size=1 and
+#: 1024 positions is 480 of them; more than this is a typo, not a recipe.
+MAX_ACCUMULATION_STEPS = 1024
+
+
+def check_bounds(cfg: TrainConfig) -> None:
+    """accumulation.steps within :data:`MAX_ACCUMULATION_STEPS`; the ladder's time budgets positive."""
+    steps = cfg.accumulation.steps
+    if steps > MAX_ACCUMULATION_STEPS:
+        raise ConfigError(
+            f"accumulation.steps={steps} is more than {MAX_ACCUMULATION_STEPS} micro-batches per optimizer step "
+            f"(GPT-2's 0.5M-token batch at batch_size=1 is 480); set accumulation.steps to {MAX_ACCUMULATION_STEPS} "
+            "or less, or raise dataloader.batch_size instead")
+    for key in ("budget_s", "target_s"):
+        value = getattr(cfg.ablation, key, None)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ConfigError(f"ablation.{key}={value} must be a positive number of seconds, or null for no bound")

@@ -3,10 +3,29 @@
 #
 #   scripts/gpu_bench.sh [--dry-run] [--out DIR] SUITE [SUITE ...]
 #
+# A short lease (about 30 minutes, 10 minutes a command): one suite per command, in this order:
+#   1. smoke        every CUDA path runs?                                    (<= 8 min by design)
+#   2. speed        perfrun's best bf16 and best FP8 configurations against the plain
+#                   nanoGPT-recipe loop (the 1.10x and 1.25x targets)        (~5 min)
+#   3. speed-fp8    fp8 vs bf16 loss parity, gpt2's fp8 tokens/s             (~3 min)
+#   4. starvation   gpu_starved_pct with memmap input (the < 1 % target)     (~3 min)
+#   5. ladder-gpt2  the ladder on GPT-2 124M                                  (~8 min)
+#   then the rest in the order listed below. Each suite writes DIR/digest_SUITE.md (the GPU,
+#   driver, versions and commit first, then its figures), meant to be pasted into BENCHMARKS.md,
+#   and appends it to DIR/digest.txt.
+#
 # Suites (each writes its logs and JSON under DIR, default outputs/benchmarks/DATE_TIME):
+#   smoke          every CUDA-only path once, tiny steps and small models, a row per path
+#                  (ok / failed and the error's first line / skipped and why) written to its
+#                  digest as each ends, so a command cut off keeps what it found; it starts
+#                  with the torch APIs perfrun uses that this torch lacks. Rows stop starting
+#                  once SMOKE_BUDGET_S (default 480) seconds have passed; pytest -m gpu runs
+#                  last, in what is left. model=llama-tiny and perfrun estimate rows run where
+#                  this checkout has them, and are skipped with the reason where it has not
 #   tests          pytest -m gpu (every GPU-only test)
 #   gpu-check      perfrun gpu-check --json
-#   trainer        scripts/bench_train.py: perfrun vs a plain PyTorch loop, GPT-2 124M, bf16, compile
+#   trainer        scripts/bench_train.py: perfrun vs a plain PyTorch loop, GPT-2 124M, bf16, compile,
+#                  3 alternating pairs in fresh processes, the ratio with its interval
 #   monitor        a monitored training run and the monitor-overhead benchmark
 #   distributed    DDP/FSDP2 GPU tests, plain vs DDP vs FSDP2 on one GPU (eager, compiled),
 #                  an FSDP2 run through torchrun with sharded checkpoints and its resume, a sweep
@@ -32,12 +51,14 @@
 #   speed-fp8      fp8 vs bf16 loss parity over 300 steps (pysource, synthetic), and gpt2's
 #                  fp8 vs bf16 tokens/s                                                    (~3 min)
 #   speed-fp8-size fp8 vs bf16 tokens/s on gpt2-medium and gpt2-large                     (~5 min)
+#   speed-llama    a Llama-3.2-1B-shaped model (block 2048, batch 4, synthetic tokens of its
+#                  vocabulary), bf16 + compile with and without FP8: tokens/s, MFU, memory (~5 min)
 #   all            every suite above, in that order
 #
 # The minutes are estimates for an H100/H200 (not measured yet). --dry-run prints the commands a
 # suite would run (DIR shown as $DIR) and runs none of them. Run from the repository's root.
 # Python is python3 unless PYTHON is set; the checkout is put on PYTHONPATH, so perfrun need not
-# be installed. The last lines printed are a short digest.
+# be installed. The last lines printed are the digest.
 set -uo pipefail
 OUT_DIR="outputs/benchmarks/$(date +%Y-%m-%d_%H-%M-%S)"
 DRY=false
@@ -48,9 +69,11 @@ while [ $# -gt 0 ]; do
     *) break ;;
   esac
 done
-[ $# -gt 0 ] || { sed -n 2,35p "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,/^[^#]/p' "$0" | grep '^#' | sed 's/^# \{0,1\}//'; exit 2; }
 PY=${PYTHON:-python3}
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PERFRUN_CACHE=${PERFRUN_CACHE:-/tmp/perfrun-cache} COLUMNS=160
+REAL_PY=$PY  # what the checks that decide a row (does this checkout have X?) run, also under --dry-run
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PERFRUN_CACHE=${PERFRUN_CACHE:-/tmp/perfrun-cache} COLUMNS=160 \
+  PYTHONUNBUFFERED=1
 GPT2="model=gpt2 data=synthetic dataloader.batch_size=16 device=cuda precision=bf16"
 
 machine() {
@@ -60,6 +83,30 @@ machine() {
   cat "$R/machine.txt"
 }
 
+# The head of a suite's digest: what a figure pasted into BENCHMARKS.md must carry beside it.
+digest_header() {  # digest_header SUITE
+  local commit dirty=""
+  commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+  [ -n "$(git status --porcelain --untracked-files=no 2>/dev/null)" ] && dirty=" (with uncommitted changes)"
+  {
+    echo "### \`scripts/gpu_bench.sh $1\`, $(date -u '+%Y-%m-%d %H:%M UTC')"
+    echo
+    echo "- machine: $(nvidia-smi --query-gpu=name,memory.total,driver_version,power.limit --format=csv,noheader \
+2>/dev/null | head -1 | sed 's/, /, driver /2; s/, \([0-9.]* W\)$/, power limit \1/' || echo 'no nvidia-smi'); \
+$(nproc) CPUs"
+    echo "- software: $("$REAL_PY" -c "
+import importlib.metadata as m, platform, torch
+def v(n):
+    try: return m.version(n)
+    except m.PackageNotFoundError: return 'not installed'
+cuda = torch.cuda.is_available()
+print(f'Python {platform.python_version()}, torch {torch.__version__}, CUDA {torch.version.cuda}, '
+      f'cuDNN {torch.backends.cudnn.version()}, NCCL {\".\".join(map(str, torch.cuda.nccl.version())) if cuda else None}, '
+      f'torchao {v(\"torchao\")}, Hydra {v(\"hydra-core\")}')" 2>&1 | tail -1)"
+    echo "- perfrun: commit $commit$dirty"
+    echo
+  } >> "$DIGEST"
+}
 suite_tests() {
   "$PY" -m pytest -m gpu -q -p no:cacheprovider > "$R/pytest_gpu.txt" 2>&1
   echo "pytest -m gpu rc=$?: $(tail -1 "$R/pytest_gpu.txt")" >> "$DIGEST"
@@ -71,9 +118,10 @@ suite_gpu_check() {
 }
 
 suite_trainer() {
-  "$PY" scripts/bench_train.py --steps 50 --warmup 15 --repeats 3 --json "$R/bench_train_gpt2.json" \
+  "$PY" scripts/bench_train.py --steps 50 --warmup 15 --pairs 3 --configs custom --json "$R/bench_train_gpt2.json" \
     $GPT2 compile=true > "$R/bench_train_gpt2.txt" 2>&1
-  tail -1 "$R/bench_train_gpt2.txt" >> "$DIGEST"
+  echo "trainer rc=$?" >> "$DIGEST"
+  sed -n '/^steps /,$p' "$R/bench_train_gpt2.txt" >> "$DIGEST"
 }
 
 suite_monitor() {
@@ -240,8 +288,169 @@ suite_speed_fp8_size() {  # fp8 vs bf16 tokens/s on the wider models
   done
 }
 
-ALL="tests gpu-check trainer monitor distributed compile-scope fsdp-cost generate speed speed-knobs speed-tiny \
-ladder-gpt2 ladder-tiny starvation speed-loss speed-fp8 speed-fp8-size"
+suite_speed_llama() {  # the Llama family at a size where FP8 and compile matter: bf16 + compile, with and without FP8
+  sweep speed_llama_1b precision=bf16,fp8 model=llama-3.2-1b model.block_size=2048 data=synthetic \
+    data.vocab_size=128256 dataloader.batch_size=4 device=cuda compile=true max_steps=40 timing_warmup_steps=15 \
+    eval_every=0
+}
+
+# ---- smoke: every CUDA-only path once ------------------------------------------------------------
+SMOKE_BUDGET_S=${SMOKE_BUDGET_S:-480}
+TINY_CUDA="model=tiny data=synthetic dataloader.batch_size=16 device=cuda precision=bf16 max_steps=12 \
+timing_warmup_steps=4 log_every=4 eval_every=0 eval_batches=1 checkpoint.at_end=false progress=plain"
+GPT2_SMOKE="model=gpt2 data=synthetic dataloader.batch_size=8 device=cuda max_steps=20 timing_warmup_steps=5 \
+log_every=5 eval_every=0 eval_batches=1 checkpoint.at_end=false progress=plain"
+
+smoke_table_row() {  # smoke_table_row PATH RESULT DETAIL: appended at once, so a cut-off suite keeps it
+  local detail=${3//|/\\|}
+  echo "| $1 | $2 | ${detail//$'\n'/ } |" >> "$DIGEST"
+  if $DRY; then [ "$2" = ok ] && echo "# row: $1" >&3 || echo "# row: $1: $2: $3" >&3; return 0; fi
+  echo "smoke: $1: $2${3:+: $3}"
+}
+
+first_error() {  # the first line of the error in a log: perfrun's one line, else the exception's
+  local line
+  line=$(grep -m1 -E '^perfrun: error: ' "$1")
+  [ -n "$line" ] || line=$(grep -E '^[A-Za-z_][A-Za-z0-9_.]*(Error|Exception|Interrupt|Failed)(: |$)' "$1" | tail -1)
+  [ -n "$line" ] || line=$(grep -v '^[[:space:]]*$' "$1" | tail -1)
+  echo "${line:0:300}"
+}
+
+# One row: CMD (a python3 call) into $R/smoke_LOGNAME.log, at most CAP seconds and never past the
+# suite's budget; ok with NOTE's detail (-: none; tail: the log's last line; DIR KEY...: those of
+# DIR/summary.json, scripts/smoke_note.py), failed with the error's first line, or skipped.
+smoke_row() {  # smoke_row PATH LOGNAME CAP NOTE CMD...
+  local path=$1 log="$R/smoke_$2.log" cap=$3 note=$4 rc left detail
+  shift 4
+  left=$((SMOKE_END - SECONDS))
+  if [ "$left" -lt 20 ]; then
+    smoke_table_row "$path" skipped "the suite's ${SMOKE_BUDGET_S} s budget was spent (SMOKE_BUDGET_S)"
+    return 1
+  fi
+  [ "$cap" -gt "$left" ] && cap=$left
+  if $DRY; then "$@"; rc=0; else timeout -k 10 "$cap" "$@" > "$log" 2>&1; rc=$?; fi
+  if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
+    smoke_table_row "$path" failed "cut off at its ${cap} s limit; last line: $(first_error "$log")"
+  elif [ "$rc" -ne 0 ]; then
+    smoke_table_row "$path" failed "exit $rc: $(first_error "$log")"
+  else
+    case "$note" in
+      -) detail="" ;;
+      tail) detail=$($DRY || grep -v '^[[:space:]]*$' "$log" | tail -1) ;;
+      *) read -r -a words <<< "$note"; detail=$("$PY" scripts/smoke_note.py "${words[@]}" 2>&1) ;;
+    esac
+    smoke_table_row "$path" ok "$detail"
+  fi
+  return "$rc"
+}
+
+# Does this checkout have it? Decided by looking, under --dry-run too (the dry run prints the skip).
+has_model() { [ -f "conf/model/$1.yaml" ]; }
+has_command() { "$REAL_PY" -m perfrun "$1" --help > /dev/null 2>&1; }
+
+suite_smoke() {
+  SMOKE_END=$((SECONDS + SMOKE_BUDGET_S))
+  printf '| path | result | detail |\n|---|---|---|\n' >> "$DIGEST"
+  smoke_row "torch APIs perfrun uses, against this torch" torch_api 60 tail "$PY" scripts/torch_api_probe.py \
+    --json "$R/smoke_torch_api.json"
+  smoke_row "perfrun gpu-check --quick" gpu_check 120 tail "$PY" -m perfrun gpu-check --quick
+  local recipe mode
+  for recipe in tensorwise rowwise; do
+    smoke_row "precision=fp8 recipe=$recipe, gpt2, compiled, 20 steps" "fp8_$recipe" 150 \
+      "$R/smoke_fp8_$recipe knobs.fp8.kept_in_bf16 tokens_per_s_median peak_mem_mib" \
+      "$PY" -m perfrun train $GPT2_SMOKE precision=fp8 precision.recipe=$recipe compile=true \
+      hydra.run.dir="$R/smoke_fp8_$recipe"
+  done
+  for mode in default max-autotune-no-cudagraphs reduce-overhead max-autotune; do
+    local acc=1
+    case $mode in reduce-overhead | max-autotune) acc=2 ;; esac
+    smoke_row "compile mode=$mode, accumulation.steps=$acc, tiny" "compile_$mode" 150 \
+      "$R/smoke_compile_$mode knobs.compile_options.cuda_graphs compile_s_estimate tokens_per_s_median" \
+      "$PY" -m perfrun train $TINY_CUDA compile=true compile_options.mode=$mode accumulation.steps=$acc \
+      hydra.run.dir="$R/smoke_compile_$mode"
+  done
+  smoke_row "loss=chunked, compiled, tiny (GPT-2 vocabulary)" loss_chunked 120 \
+    "$R/smoke_loss_chunked knobs.loss tokens_per_s_median peak_mem_mib" \
+    "$PY" -m perfrun train $TINY_CUDA loss=chunked compile=true hydra.run.dir="$R/smoke_loss_chunked"
+  smoke_memmap_rows
+  smoke_fsdp_rows
+  smoke_row "profile=true memory_snapshot=true, tiny" profile 120 \
+    "$R/smoke_profile knobs.profile.gpu.gpu_busy_pct file:profile/trace.json* file:profile/top_ops.txt file:*.pickle" \
+    "$PY" -m perfrun train ${TINY_CUDA/max_steps=12/max_steps=16} profile=true profiler.start_step=5 memory_snapshot=true \
+    hydra.run.dir="$R/smoke_profile"
+  smoke_llama_rows
+  smoke_estimate_rows
+  smoke_row "pytest -m gpu (in what is left of the budget)" pytest_gpu 600 tail \
+    "$PY" -m pytest -m gpu -q -p no:cacheprovider
+}
+
+smoke_memmap_rows() {  # a byte corpus of this checkout's Python files, read through the device input path
+  find perfrun scripts tests -name '*.py' | LC_ALL=C sort | xargs cat > "$R/smoke_corpus.txt"
+  printf 'def main(\nimport os\nclass A:\nfor i in range(\n' > "$R/smoke_prompts.txt"
+  smoke_row "perfrun prepare (memmap corpus, byte tokens)" prepare 60 - "$PY" -m perfrun prepare \
+    path="$R/smoke_corpus.txt" out="$R/smoke_corpus" tokenizer=byte progress=false
+  smoke_row "device input from memmap (copied ahead on a side stream), tiny" memmap 120 \
+    "$R/smoke_memmap knobs.input gpu_starved_pct host_data_wait_pct tokens_per_s_median" \
+    "$PY" -m perfrun train model=tiny data=memmap data.path="$R/smoke_corpus" dataloader.device_input=true \
+    device=cuda precision=bf16 max_steps=20 timing_warmup_steps=5 log_every=5 eval_every=0 eval_batches=1 \
+    checkpoint.at_end=true progress=plain hydra.run.dir="$R/smoke_memmap"
+  if ! $DRY && ! ls "$R"/smoke_memmap/checkpoints/step_* > /dev/null 2>&1; then
+    smoke_table_row "perfrun generate compile=true (CUDA graphs), batch 4" skipped "no checkpoint: the memmap run did not save one"
+    return
+  fi
+  smoke_row "perfrun generate compile=true (CUDA graphs), batch 4" generate 150 tail "$PY" -m perfrun generate \
+    checkpoint="$R/smoke_memmap" prompts_file="$R/smoke_prompts.txt" batch_size=4 compile=true max_new_tokens=32 \
+    device=cuda
+}
+
+smoke_fsdp_rows() {  # FSDP2 through torchrun, one rank, every prefetch setting; saved at step 6, resumed
+  local fsdp="distributed=fsdp fsdp.forward_prefetch=1 fsdp.backward_prefetch=1 fsdp.reshard_last_block=true"
+  smoke_row "FSDP2, 1 rank, prefetch 1/1, reshard_last_block, saved" fsdp_save 150 \
+    "$R/smoke_fsdp knobs.fsdp checkpoints" \
+    "$PY" -m torch.distributed.run --standalone --nproc_per_node=1 -m perfrun train $TINY_CUDA $fsdp \
+    checkpoint.every_n_steps=6 hydra.run.dir="$R/smoke_fsdp"
+  if ! $DRY && [ ! -e "$R/smoke_fsdp/checkpoints/step_0000006" ]; then
+    smoke_table_row "FSDP2, 1 rank, resumed from step 6" skipped "no step_0000006 checkpoint from the row above"
+    return
+  fi
+  smoke_row "FSDP2, 1 rank, resumed from step 6" fsdp_resume 150 "$R/smoke_fsdp_resumed start_step final_train_loss" \
+    "$PY" -m torch.distributed.run --standalone --nproc_per_node=1 -m perfrun train $TINY_CUDA $fsdp \
+    resume="$R/smoke_fsdp/checkpoints/step_0000006" hydra.run.dir="$R/smoke_fsdp_resumed"
+  rm -rf "$R"/smoke_fsdp/checkpoints "$R"/smoke_fsdp_resumed/checkpoints
+}
+
+smoke_llama_rows() {
+  local why="not in this checkout (no conf/model/llama-tiny.yaml)" p base=${TINY_CUDA/model=tiny/model=llama-tiny}
+  base=${base/precision=bf16 /}
+  for p in "bf16" "bf16 compile" "fp8 compile"; do
+    local slug=${p// /_} over="precision=${p%% *}"
+    [[ $p == *compile ]] && over+=" compile=true"
+    if ! has_model llama-tiny; then smoke_table_row "model=llama-tiny $p" skipped "$why"; continue; fi
+    smoke_row "model=llama-tiny $p" "llama_$slug" 150 \
+      "$R/smoke_llama_$slug knobs.fp8.kept_in_bf16 tokens_per_s_median peak_mem_mib" \
+      "$PY" -m perfrun train $base $over hydra.run.dir="$R/smoke_llama_$slug"
+  done
+}
+
+smoke_estimate_rows() {  # perfrun estimate of a configuration against its measured CUDA peak
+  local conf="model=gpt2 data=synthetic dataloader.batch_size=8 device=cuda precision=bf16"
+  if ! has_command estimate; then
+    smoke_table_row "perfrun estimate vs the measured CUDA peak, gpt2 bf16 batch 8" skipped \
+      "not in this checkout (perfrun estimate --help fails: no such command)"
+    return
+  fi
+  smoke_row "measured run for the estimate, gpt2 bf16 batch 8, 10 steps" estimate_measured 120 \
+    "$R/smoke_estimate_measured peak_mem_mib peak_mem_source" \
+    "$PY" -m perfrun train $conf max_steps=10 timing_warmup_steps=3 log_every=5 eval_every=0 eval_batches=1 \
+    checkpoint.at_end=false progress=plain hydra.run.dir="$R/smoke_estimate_measured" || return
+  if smoke_row "perfrun estimate, gpt2 bf16 batch 8" estimate 120 - "$PY" -m perfrun estimate $conf && ! $DRY; then
+    smoke_table_row "estimate against measured" "see detail" "estimate: $(grep -i -m1 'peak' "$R/smoke_estimate.log"); \
+measured: $("$PY" scripts/smoke_note.py "$R/smoke_estimate_measured" peak_mem_mib 2>&1)"
+  fi
+}
+
+ALL="smoke tests gpu-check trainer monitor distributed compile-scope fsdp-cost generate speed speed-knobs speed-tiny \
+ladder-gpt2 ladder-tiny starvation speed-loss speed-fp8 speed-fp8-size speed-llama"
 SUITES=()
 for s in "$@"; do
   if [ "$s" = all ]; then SUITES+=($ALL); continue; fi
@@ -260,21 +469,23 @@ if $DRY; then  # every python3 call printed (on fd 3, past the suites' redirecti
     echo "${line//$R/\$DIR}" >&3
   }
   PY=dry_python
-  DIGEST="$R/digest.txt"
   echo "# gpu_bench.sh --dry-run: from the repository's root, with PYTHONPATH=\$PWD and DIR=$OUT_DIR"
   for s in "${SUITES[@]}"; do
     echo "== $s"
+    DIGEST="$R/digest_$s.md"
     "suite_${s//-/_}" 2> /dev/null
   done
   exit 0
 fi
 R=$(mkdir -p "$OUT_DIR" && cd "$OUT_DIR" && pwd) || exit 2
-DIGEST="$R/digest.txt"
 machine
-: > "$DIGEST"
 for s in "${SUITES[@]}"; do
   echo "== $s ($(date -u +%H:%M:%S))"
+  DIGEST="$R/digest_$s.md"
+  : > "$DIGEST"
+  digest_header "$s"
   "suite_${s//-/_}"
+  cat "$DIGEST" >> "$R/digest.txt"
 done
-echo "results in $R"
-cat "$DIGEST"
+echo "results in $R (each suite's digest: digest_SUITE.md)"
+cat "$R/digest.txt"

@@ -141,6 +141,22 @@ CASES = [
     Case("export of weights that are not finite",
          ("export", "checkpoint={d}/nan_weights.pt", "format=safetensors", "out={d}/hf"),
          "its weights are not finite", small=False),
+    Case("report whose only input is unreadable", ("report", "{d}/unreadable_run"), "nothing to report", small=False),
+    Case("a plain-pickle checkpoint", ("train", "resume={d}/plain_pickle.pt"), "holds pickled code"),
+    Case("a pretrained pytorch_model.bin that is a plain pickle", ("train", "model.init_from={d}/pickle_bin"),
+         "holds pickled code"),
+    Case("a ladder rung that does not exist", ("train", "-m", "+sweep=ablation", "+ablation=nope"),
+         "+ablation=nope: no such rung", small=False),
+    Case("a ladder key of the wrong type", ("train", "-m", "+sweep=ablation", "ablation.repeats=many"),
+         "ablation.repeats=many", small=False),
+    Case("the ladder without -m", ("train", "+sweep=ablation"), "add -m"),
+    Case("a pretrained config.json field of the wrong type", ("train", "model.init_from={d}/gpt2_badtype"),
+         "gpt2_badtype/config.json: field n_layer"),
+    Case("absurd gradient accumulation", ("train", "accumulation.steps=1000000000"), "more than 1024 micro-batches"),
+    Case("a run dir the override grammar refuses", ("train", "hydra.run.dir={d}/run'1"),
+         "the override grammar cannot read this value"),
+    Case("a run dir name longer than the filesystem takes", ("train", "hydra.run.dir={d}/" + "r" * 300),
+         "more than the 255 this filesystem allows"),
 ]
 
 
@@ -175,6 +191,23 @@ def make_fixtures(d: Path, good_checkpoint: Path, small_checkpoint: Path) -> Non
         "num_attention_heads": 9, "num_key_value_heads": 3, "rope_theta": 100000, "rms_norm_eps": 1e-05,
         "tie_word_embeddings": True, "max_position_embeddings": 8192, "vocab_size": 49152}))
     damaged_resumes(d, small_checkpoint)
+    untrusted_and_mistyped(d)
+
+
+def untrusted_and_mistyped(d: Path) -> None:
+    """Plain pickles (never loaded here: written only), a config.json of the wrong types and
+    a run whose summary.json is damaged."""
+    import pickle
+
+    (d / "plain_pickle.pt").write_bytes(pickle.dumps({"model": {}, "call": print}))
+    small = {"model_type": "gpt2", "n_layer": 1, "n_head": 2, "n_embd": 32, "n_positions": 32, "vocab_size": 256}
+    (d / "pickle_bin").mkdir()
+    (d / "pickle_bin" / "config.json").write_text(json.dumps(small))
+    (d / "pickle_bin" / "pytorch_model.bin").write_bytes(pickle.dumps({"call": print}))
+    (d / "gpt2_badtype").mkdir()
+    (d / "gpt2_badtype" / "config.json").write_text(json.dumps({**small, "n_layer": "one"}))
+    (d / "unreadable_run").mkdir()
+    (d / "unreadable_run" / "summary.json").write_text('{"status": "compl')
 
 
 def damaged_resumes(d: Path, small_checkpoint: Path) -> None:

@@ -145,7 +145,9 @@ def test_trials_take_the_trainers_step_and_give_back_the_schedule_and_loss_scale
         auto = setup(make_cfg(*common, "dataloader.batch_size=auto", "dataloader.memory_budget_mib=64",
                               "dataloader.max_batch_size=2"), stack, Resolved())
         trials = auto.facts["batch_size_auto"]["trials"]
-        assert [b for b, _, _ in trials] == [1, 2] and len(calls) == 2
+        # the search starts where the memory estimate says (here the cap, 2): one call per trial
+        assert [b for b, _, _ in trials] == [2] and len(calls) == 1
+        assert auto.facts["batch_size_auto"]["estimate"]["largest_batch"] == 2
         fixed = setup(make_cfg(*common, "dataloader.batch_size=2"), stack, Resolved())
         assert auto.scheduler.state_dict() == fixed.scheduler.state_dict()
         assert auto.plan.state_dict() == fixed.plan.state_dict() and auto.plan.state_dict() is not None

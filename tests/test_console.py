@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
+from perfrun.telemetry import sinks
 from perfrun.telemetry.sinks import TIME_WIDTH, ConsoleReporter, gpu_parts, step_line
 
 from conftest import REPO, TINY, run_cli
@@ -33,6 +34,14 @@ def record(step: int = 4000, max_steps: int = 5000, mfu: float | None = 0.452, m
 
 
 GPU = {"gpu_util_pct_mean": 98.2, "power_w_mean": 689.6, "temp_c_max": 71.0, "host_cpu_pct_mean": 12.0, "rss_mib_max": 2100.0}
+
+
+def test_the_step_line_shows_the_windows_steady_steps_and_says_so() -> None:
+    steady = {**record(mfu=None), "tokens_per_s": 500.0, "steady_tokens_per_s": 2_000_000.0, "steady_steps_in_interval": 5}
+    assert "2.00M tok/s" in step_line(steady, 80 - TIME_WIDTH)  # the warm-up steps' 500 tok/s are left out
+    warm = {**steady, "steady_tokens_per_s": None, "steady_steps_in_interval": 0}
+    assert "warm-up" in step_line(warm, 80 - TIME_WIDTH) and "tok/s" not in step_line(warm, 80 - TIME_WIDTH)
+    assert "median of all the steady steps" in sinks.PROGRESS_LEGEND and "warm-up steps left out" in sinks.PROGRESS_LEGEND
 
 
 def test_the_step_line_fits_80_columns_with_the_gpu_folded_in() -> None:
@@ -61,14 +70,15 @@ def test_the_reporter_waits_for_the_monitor_sample_of_its_step(caplog: pytest.Lo
     throttled = {**GPU, "throttle_reasons": ["gpu_idle", "sw_power_cap"]}  # idle is no slowdown
     with caplog.at_level(logging.INFO, logger="perfrun"), ConsoleReporter(
             "plain", 5000, console=console, monitor_every=10) as reporter:
+        assert caplog.messages == [sinks.PROGRESS_LEGEND]  # which tokens/s the lines show, said once
         reporter.train(record(step=10))
-        assert caplog.messages == []  # held until this step's GPU sample
+        assert caplog.messages == [sinks.PROGRESS_LEGEND]  # held until this step's GPU sample
         reporter.monitor(10, GPU)
         reporter.train(record(step=15))  # no sample at step 15: printed at once, with the latest figures
         reporter.monitor(20, throttled)
         reporter.monitor(30, throttled)  # still held down: said once
         reporter.monitor(40, GPU)
-    lines = caplog.messages
+    lines = caplog.messages[1:]
     assert lines[0].startswith("step 10/5000") and "GPU 98% 690W 71C" in lines[0]
     assert lines[1].startswith("step 15/5000") and "GPU 98%" in lines[1]
     assert lines[2:] == ["step 20: GPU clocks held down (sw_power_cap)", "step 40: GPU clocks no longer held down"]

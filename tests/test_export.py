@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from perfrun.commands.dispatch import main as cli_main
-from perfrun.inference import hf_layout, onnx_export
+from perfrun.inference import onnx_export
 from perfrun.inference.loading import load_model
+from perfrun.models import hf_layout
 from perfrun.models.gpt import GPT
 
 ONNX_ATOL = onnx_export.DEFAULT_ATOL  # fp32 logits in both runtimes; only summation order differs
@@ -144,3 +145,15 @@ def test_int8_report_from_export_and_from_python_m_perfrun_quantize(ckpt: Path, 
         assert report["int8_bytes"] < report["float_bytes"] and report["gen_tokens"] == 4
         assert report["val_tokens"] == 2 * block and report["float_val_loss"] > 0
     assert (old["float_val_loss"], old["int8_val_loss"]) == (new["float_val_loss"], new["int8_val_loss"])
+
+
+def test_int8_report_writes_its_json_to_out(ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("torchao")
+    out = tmp_path / "reports" / "int8.json"
+    assert cli_main(["export", f"checkpoint={ckpt}", "format=int8-report", "int8.val_batches=1", "int8.batch_size=2",
+                     "int8.gen_tokens=4", f"out={out}"]) == 0
+    written = json.loads(out.read_text())
+    assert written["gen_tokens"] == 4 and written["int8_bytes"] < written["float_bytes"]
+    assert str(out) in capsys.readouterr().err
+    assert cli_main(["export", f"checkpoint={ckpt}", "format=int8-report", f"out={tmp_path}"]) == 2  # a folder
+    assert "is a folder" in capsys.readouterr().err

@@ -94,6 +94,18 @@ def test_filter_converts_the_block_linears_and_keeps_the_tied_head() -> None:
     assert list(layers.kept) == ["lm_head"] and "tied to wte.weight" in layers.kept["lm_head"]
 
 
+def test_filter_keeps_an_untied_head_that_the_loss_reads_as_a_matrix() -> None:
+    """A Llama with its own head: the loss takes lm_head.weight inside forward, so the layer's
+    forward never runs; converted it would be named FP8 and run in bf16. It is kept, and said."""
+    from perfrun.models.llama import Llama, LlamaConfig
+
+    model = Llama(LlamaConfig(vocab_size=64, block_size=32, n_layer=1, n_head=2, n_kv_head=1, n_embd=32,
+                              intermediate_size=64, tie_embeddings=False))
+    layers = choose_layers(model)
+    assert "lm_head" not in layers.convert and "never calling the layer" in layers.kept["lm_head"]
+    assert layers.convert and all(name.startswith("blocks.0.") for name in layers.convert)
+
+
 def test_filter_keeps_shapes_fp8_cannot_take() -> None:
     layers = choose_layers(tiny_gpt(40))  # 40 features: not a multiple of 16
     assert layers.convert == []

@@ -1,7 +1,9 @@
 """The GPU benchmark's scripts on the CPU: every suite's commands printed by --dry-run (and
-their overrides composed, so a typo in a suite shows without a GPU), the ladder comparison
-on two planted sweep summaries, loss parity on planted metrics, and the starvation benchmark
-on a tiny model."""
+their overrides composed, so a typo in a suite shows without a GPU), the smoke suite's rows
+(every CUDA path, the rows of what this checkout lacks skipped, the table written row by row
+with the machine and versions above it), the torch API probe, the ladder comparison on two
+planted sweep summaries, loss parity on planted metrics, and the starvation benchmark on a
+tiny model."""
 
 from __future__ import annotations
 
@@ -18,9 +20,11 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 
-from perfrun.config import config_dir, register_configs
+from perfrun.config import config_dir, register_configs, typed
+from perfrun.validate import validate
 
 from conftest import REPO
 
@@ -80,6 +84,102 @@ def test_dry_run_prints_every_suite_runs_nothing_and_its_overrides_compose(tmp_p
     assert "--profile-best $DIR/profiled_best" in res.stdout
     bad = dry_run("ladder-gtp2")
     assert bad.returncode == 2 and "unknown suite ladder-gtp2" in bad.stderr and bad.stdout == ""
+
+
+SMOKE_PATHS = [  # (what the row must run, a regular expression its printed command matches)
+    ("fp8 tensorwise", r"-m perfrun train .*model=gpt2 .*max_steps=20 .*precision=fp8 precision.recipe=tensorwise"),
+    ("fp8 rowwise", r"-m perfrun train .*model=gpt2 .*max_steps=20 .*precision=fp8 precision.recipe=rowwise"),
+    ("compile default", r"compile=true compile_options.mode=default accumulation.steps=1 "),
+    ("max-autotune-no-cudagraphs", r"compile_options.mode=max-autotune-no-cudagraphs "),
+    ("reduce-overhead, accumulation", r"compile_options.mode=reduce-overhead accumulation.steps=2 "),
+    ("max-autotune, accumulation", r"compile_options.mode=max-autotune accumulation.steps=2 "),
+    ("memmap device input", r"data=memmap .*dataloader.device_input=true device=cuda"),
+    ("chunked loss compiled", r"loss=chunked compile=true"),
+    ("generate, CUDA graphs, batched", r"-m perfrun generate .*batch_size=4 compile=true .*device=cuda"),
+    ("FSDP2 saved", r"torch.distributed.run .*distributed=fsdp fsdp.forward_prefetch=1 fsdp.backward_prefetch=1 "
+                    r".*checkpoint.every_n_steps=6"),
+    ("FSDP2 resumed", r"torch.distributed.run .*distributed=fsdp .*resume=\$DIR/smoke_fsdp/checkpoints/step_0000006"),
+    ("profiler and snapshot", r"profile=true .*memory_snapshot=true"),
+    ("gpu-check quick", r"-m perfrun gpu-check --quick"),
+    ("pytest gpu", r"-m pytest -m gpu"),
+    ("torch API probe", r"scripts/torch_api_probe.py"),
+]
+
+
+def test_smoke_dry_run_runs_every_cuda_path_and_each_composes() -> None:
+    res = dry_run("smoke")
+    assert res.returncode == 0, res.stderr
+    calls = [ln for ln in res.stdout.splitlines() if ln.startswith("python3 ")]
+    for what, pattern in SMOKE_PATHS:
+        assert any(re.search(pattern, ln) for ln in calls), what
+    rows = re.findall(r"^# row: ([^:\n]+)", res.stdout, re.M)
+    assert len(rows) == len(set(rows)) >= len(SMOKE_PATHS) + 4  # one row per path, named apart
+    llama = REPO / "conf" / "model" / "llama-tiny.yaml"
+    llama_runs = [ln for ln in calls if "model=llama-tiny" in ln]
+    if llama.is_file():
+        assert len(llama_runs) == 3 and any("precision=fp8" in ln for ln in llama_runs)
+    else:  # decided by looking, and said
+        assert not llama_runs
+        assert res.stdout.count("skipped: not in this checkout (no conf/model/llama-tiny.yaml)") == 3
+    has_estimate = subprocess.run([sys.executable, "-m", "perfrun", "estimate", "--help"], cwd=REPO,
+                                  capture_output=True, timeout=60).returncode == 0
+    assert any(" -m perfrun estimate " in ln for ln in calls) == has_estimate
+    assert ("perfrun estimate --help fails: no such command" in res.stdout) != has_estimate
+    trains = [ln for ln in calls if " -m perfrun train " in ln]
+    register_configs()
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+        for line in trains:  # composes, and passes the checks perfrun makes before it builds anything
+            validate(typed(compose("train", overrides=overrides(line))))
+
+
+def test_smoke_writes_its_table_row_by_row_under_the_machine_and_versions(tmp_path: Path) -> None:
+    """A spent budget: every row is written, as skipped with the reason, and nothing is run;
+    the digest starts with the machine, the versions and the commit."""
+    env = {**os.environ, "SMOKE_BUDGET_S": "0", "PYTHONPATH": str(REPO)}
+    res = subprocess.run(["bash", str(SCRIPTS / "gpu_bench.sh"), "--out", str(tmp_path), "smoke"], cwd=REPO,
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    digest = (tmp_path / "digest_smoke.md").read_text()
+    head, table = digest.split("| path | result | detail |\n|---|---|---|\n")
+    assert "`scripts/gpu_bench.sh smoke`" in head and "- machine: " in head
+    assert f"torch {torch.__version__}" in head and "Hydra " in head and "- perfrun: commit " in head
+    rows = [r.split(" | ") for r in table.strip().splitlines()]
+    assert len(rows) >= len(SMOKE_PATHS) + 4 and all(r[1] == "skipped" for r in rows)
+    why = ("budget was spent", "not in this checkout", "the memmap run did not save one", "from the row above")
+    assert all(any(w in r[2] for w in why) for r in rows) and sum("budget" in r[2] for r in rows) >= 12
+    assert digest in (tmp_path / "digest.txt").read_text()
+    assert not list(tmp_path.glob("smoke_*.log"))  # nothing ran
+
+
+def test_torch_api_probe_reads_perfrun_and_names_what_is_missing(tmp_path: Path) -> None:
+    probe = script("torch_api_probe")
+    used = probe.used_names()
+    assert "torch.distributed.fsdp.fully_shard" in used and "torch.nn.attention.sdpa_kernel" in used
+    assert "perfrun/knobs/fsdp.py" in used["torch.distributed.fsdp.fully_shard"]
+    result = probe.probe()
+    assert result["torch"] == torch.__version__ and result["checked"] > len(used) // 2
+    assert result["missing"] == {}  # the torch the tests run on has everything perfrun calls
+    pkg = tmp_path / "perfrun"
+    pkg.mkdir()
+    (pkg / "new.py").write_text("import torch\nfrom torch.nn import Linear, NoSuchLayer\n"
+                                "def f():\n    return torch.cuda.no_such_api(), torch.nn.Linear\n")
+    missing = probe.probe(pkg)["missing"]
+    assert set(missing) >= {"torch.nn.NoSuchLayer", "torch.cuda.no_such_api"}
+    assert "torch.nn.Linear" not in missing and missing["torch.cuda.no_such_api"]["used_in"] == ["perfrun/new.py"]
+    assert "has no no_such_api" in missing["torch.cuda.no_such_api"]["why"]
+
+
+def test_smoke_note_reads_the_summary_keys_and_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    note = script("smoke_note")
+    (tmp_path / "profile").mkdir()
+    (tmp_path / "profile" / "trace.json").write_text("{}")
+    (tmp_path / "summary.json").write_text(json.dumps(
+        {"status": "completed", "gpu_starved_pct": 0.123456, "knobs": {"fp8": {"kept_in_bf16": ["lm_head"]}}}))
+    assert note.main([str(tmp_path), "knobs.fp8.kept_in_bf16", "gpu_starved_pct", "knobs.nope", "file:profile/trace.json*"]) == 0
+    assert capsys.readouterr().out.strip() == ('status=completed; knobs.fp8.kept_in_bf16=["lm_head"]; '
+                                               "gpu_starved_pct=0.1235; knobs.nope=absent; "
+                                               "profile/trace.json*: 1 files, 2 bytes")
+    assert note.main([str(tmp_path / "none")]) == 2 and "no readable summary.json" in capsys.readouterr().err
 
 
 def rung(name: str, tps: float | None, part_kind: str = "ladder", applicable: bool = True) -> dict[str, Any]:

@@ -13,9 +13,9 @@ import torch
 from perfrun.commands.dispatch import main as cli_main
 from perfrun.config import ConfigError, DataLoaderConfig, ModelConfig
 from perfrun.data import build_datasets, build_loader
-from perfrun.inference.hf_layout import hf_config, hf_state_dict
 from perfrun.loop.run import run
 from perfrun.models.gpt import GPT, GPTConfig
+from perfrun.models.hf_layout import hf_config, hf_state_dict
 from perfrun.models.pretrained import init_from
 
 from conftest import losses, make_cfg

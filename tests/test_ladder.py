@@ -147,7 +147,8 @@ def test_a_contended_job_is_marked_and_never_counted(tmp_path: Path) -> None:
     assert rungs["compile"]["n"] == 2 and rungs["compile"]["contended"] == 1
     assert rungs["compile"]["tokens_per_s"] == pytest.approx(2975)  # 3000 and 2950, not the contended 3100
     assert r.ladders[0]["notes"] == ["1 of 36 jobs shared the machine and are not counted (jobs 18); the first: "
-                                       "planted neighbour"]
+                                       "planted neighbour",
+                                       "machine noise: ±3.0% from the naive trainer's 6 uncontended jobs (naive, naive_seed)"]
     text = report.render_text(r, width=260)
     assert "2 (+1 contended)" in text
     assert next(row for row in r.rows if row.contended).best is False
@@ -266,14 +267,14 @@ def test_loss_parity_calibrated_by_seeds_flags_a_10x_learning_rate_not_bf16(tmp_
 def test_a_rung_that_cannot_act_here_is_skipped_and_shown_not_applicable(tmp_path: Path) -> None:
     """FP8 on a CPU: the job trains nothing, says why in its summary, does not fail the
     sweep, and the ladder shows the rung as not applicable, never as a measurement."""
-    from perfrun.loop.run import run
-    from perfrun.report.sweep_callback import failed_jobs
+    from perfrun.commands.rungs import run_rung
+    from perfrun.commands.sweep_callback import failed_jobs
 
     from conftest import make_cfg
 
     plant_ladder(tmp_path)
     overrides = ["+ablation=fp8", "max_steps=40", "repeat=0"]
-    s = run(make_cfg(*overrides), tmp_path / "fp8", overrides=overrides)
+    s = run_rung(make_cfg(*overrides), tmp_path / "fp8", overrides=overrides)
     assert s["status"] == "skipped" and "FP8 tensor cores" in s["reason"] and s["reason"].startswith("not applicable on cpu")
     written = json.loads((tmp_path / "fp8" / "summary.json").read_text())
     assert written["status"] == "skipped" and written["config"]["precision"]["name"] == "bf16"

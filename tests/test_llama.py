@@ -232,6 +232,20 @@ def test_a_tiny_llama_trains_and_resumes_exactly(trained: Path, tmp_path: Path) 
     assert [again[k] for k in range(11, 21)] == [full[k] for k in range(11, 21)]  # bit for bit
 
 
+@pytest.mark.parametrize(("override", "named"), [("model.n_kv_head=4", "n_kv_head 2 vs 4"),
+                                                   ("model.rope_theta=500000.0", "rope_theta 10000.0 vs 500000.0")])
+def test_resume_with_another_llama_shape_or_rope_is_refused_naming_it(trained: Path, tmp_path: Path, override: str,
+                                                                     named: str) -> None:
+    """A Llama field that changes the weights (n_kv_head) or the numerics (rope_theta) is part of
+    the shape a checkpoint records: resuming with another value is refused in one line."""
+    from perfrun.config import ConfigError
+
+    with pytest.raises(ConfigError, match="another model shape") as refused:
+        run(make_cfg(*LLAMA, override, "max_steps=20", f"resume={trained / 'checkpoints' / 'step_0000010.pt'}"),
+            tmp_path)
+    assert named in str(refused.value) and "\n" not in str(refused.value)
+
+
 def test_a_tiny_llama_trains_with_bf16_checkpointing_and_chunked_loss(trained: Path, tmp_path: Path) -> None:
     s = run(make_cfg(*LLAMA, "max_steps=5", "log_every=1", "precision=bf16", "checkpointing=full", "loss=chunked",
                      "loss.chunk_size=32"), tmp_path)

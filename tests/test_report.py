@@ -19,11 +19,11 @@ from test_ladder import plant_ladder
 
 from perfrun import report
 from perfrun.commands.report import main as report_main
+from perfrun.commands.sweep_callback import SweepSummary
 from perfrun.commands.train import train_main
 from perfrun.commands.tune import kept_logging
 from perfrun.report.columns import LADDER_COLUMNS, run_columns, shown
 from perfrun.report.render import sections
-from perfrun.report.sweep_callback import SweepSummary
 
 from conftest import TINY_MODEL
 

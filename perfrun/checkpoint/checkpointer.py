@@ -12,6 +12,7 @@ shards. The file formats are in :mod:`perfrun.checkpoint.files`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import warnings
@@ -57,10 +58,18 @@ def checkpoint_folder(configured: str | None, run_dir: Path | None) -> Path | No
     return run_dir / "checkpoints" if run_dir else None
 
 
-def model_shape(model: torch.nn.Module) -> dict[str, int]:
-    c = model.config
-    return {"n_layer": c.n_layer, "n_head": c.n_head, "n_embd": c.n_embd, "block_size": c.block_size,
-            "vocab_size": c.vocab_size}
+def model_shape(model: torch.nn.Module) -> dict[str, Any]:
+    """The shape a checkpoint records and resume checks: perfrun's families' config fields;
+    a model without them (model=custom) has None there and its parameter count instead."""
+    c = getattr(model, "config", None)
+    shape: dict[str, Any] = {k: getattr(c, k, None) for k in checkpoint_files.SHAPE_KEYS}
+    for k in checkpoint_files.ARCH_KEYS:
+        if hasattr(c, k):
+            value = getattr(c, k)
+            shape[k] = dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
+    if c is None:
+        shape["params"] = sum(p.numel() for p in model.parameters())
+    return shape
 
 
 class Checkpointer:

@@ -36,6 +36,8 @@ from perfrun.console import first_line
 FORMAT = 1
 _PARTIAL = re.compile(r"^\.step_\d+(\.replaced)?\.partial$")
 SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")
+# what else sets a family's weights or numerics apart (the Llama family's), recorded where the model has it
+ARCH_KEYS = ("n_kv_head", "intermediate_size", "rope_theta", "rope_scaling", "norm_eps", "tie_embeddings")
 
 
 class CheckpointWriteError(RuntimeError):
@@ -321,7 +323,7 @@ def saved_world(ckpt: dict[str, Any]) -> int:
     return int(config.get("nproc") or 1)
 
 
-def check_compatible(ckpt: dict[str, Any], shape: dict[str, int], config: dict[str, Any], path: Path,
+def check_compatible(ckpt: dict[str, Any], shape: dict[str, Any], config: dict[str, Any], path: Path,
                      world: int = 1) -> list[str]:
     """Refuse a checkpoint of another model shape, of another data order (seed, data), or of
     another global batch: resuming it could not continue the same run. The global batch is
@@ -353,9 +355,11 @@ def check_compatible(ckpt: dict[str, Any], shape: dict[str, int], config: dict[s
     return []
 
 
-def check_shape(ckpt: dict[str, Any], shape: dict[str, int], path: Path) -> None:
+def check_shape(ckpt: dict[str, Any], shape: dict[str, Any], path: Path) -> None:
     saved = ckpt.get("model_shape", {})
-    diff = [f"{k} {saved.get(k)} vs {shape[k]}" for k in SHAPE_KEYS if saved.get(k) != shape[k]]
+    keys = [*SHAPE_KEYS, *(k for k in ARCH_KEYS if k in shape or k in saved),
+            *(["params"] if "params" in shape else [])]  # params: a custom model's only figure
+    diff = [f"{k} {saved.get(k)} vs {shape.get(k)}" for k in keys if saved.get(k) != shape.get(k)]
     if diff:
         raise ConfigError(
             f"resume={path} was made with another model shape ({', '.join(diff)}: checkpoint vs this run); "

@@ -21,7 +21,7 @@ from perfrun.checkpoint.names import list_checkpoints
 from perfrun.config import ConfigError
 
 IGNORED = ("resume", "max_steps", "progress", "log_every", "monitor", "logger", "mfu", "timing_warmup_steps",
-           "checkpoint", "profile", "profiler", "memory_snapshot", "hydra")
+           "checkpoint", "profile", "profiler", "memory_snapshot", "memory", "hydra")
 _STEP = re.compile(r"step_(\d+)")
 _SHOWN = 3  # ambiguous runs named in the refusal
 
@@ -54,13 +54,15 @@ class RunSearch:
 
 
 @dataclass
-class Candidate:
+class SavedRun:
+    """A run of this configuration under the outputs folder, and its newest checkpoint."""
+
     run_dir: Path
     checkpoint: Path
     step: int
 
 
-def _candidates(root: Path, config: str, exclude: Path | None) -> list[Candidate]:
+def _candidates(root: Path, config: str, exclude: Path | None) -> list[SavedRun]:
     found = []
     for saved in sorted(root.glob("**/.hydra/config.yaml")):
         run_dir = saved.parent.parent
@@ -74,11 +76,11 @@ def _candidates(root: Path, config: str, exclude: Path | None) -> list[Candidate
         except Exception:  # noqa: BLE001 - an unreadable config is not this job's
             continue
         if same:
-            found.append(Candidate(run_dir, ckpts[-1], int(_STEP.search(ckpts[-1].name).group(1))))
+            found.append(SavedRun(run_dir, ckpts[-1], int(_STEP.search(ckpts[-1].name).group(1))))
     return sorted(found, key=lambda c: c.checkpoint.stat().st_mtime)
 
 
-def find_run(search: RunSearch, max_steps: int) -> Candidate | None:
+def find_run(search: RunSearch, max_steps: int) -> SavedRun | None:
     """The run that ``resume=auto`` continues, None when there is none; ConfigError when
     several could be meant or the only one is already at ``max_steps``."""
     root = search.root

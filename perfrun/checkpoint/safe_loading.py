@@ -60,7 +60,7 @@ class UntrustedFileError(ConfigError):
 def refused(file: Path, detail: str) -> UntrustedFileError:
     return UntrustedFileError(
         f"{file} was not loaded: {detail}, and a checkpoint may hold only tensors and plain values "
-        "(nothing that can run code); use a checkpoint that perfrun wrote")
+        "(nothing that can run code); use a checkpoint that perfrun wrote, or weights saved as safetensors")
 
 
 def unreadable(file: Path, detail: str) -> UntrustedFileError:
@@ -78,13 +78,56 @@ def weights_only_refusal(file: Path, e: pickle.UnpicklingError, entry: str = "")
     return refused(file, f"{f'its entry {entry}' if entry else 'it'} names {name.group(1)}")
 
 
+def pickled_code(file: Path, limit: int = 1 << 20) -> UntrustedFileError | None:
+    """A plain pickle (not torch's zip format), which torch's weights-only loader refuses with
+    a multi-line warning and no word of why: one line saying it holds pickled code and the
+    names it would call, read from its opcodes (``pickletools``: nothing is run). None for a
+    file that is not a plain pickle."""
+    import pickletools
+    import zipfile
+
+    try:
+        if zipfile.is_zipfile(file):
+            return None
+        with open(file, "rb") as f:
+            head = f.read(limit)
+    except OSError:
+        return None
+    if not head.startswith(b"\x80"):  # every pickle of protocol 2 or later opens with PROTO
+        return None
+    names: list[str] = []
+    strings: list[str] = []
+    try:
+        for op, arg, _ in pickletools.genops(io.BytesIO(head)):
+            if op.name == "GLOBAL":
+                names.append(str(arg).replace(" ", "."))
+            elif op.name == "STACK_GLOBAL" and len(strings) >= 2:
+                names.append(f"{strings[-2]}.{strings[-1]}")
+            elif isinstance(arg, str):
+                strings.append(arg)
+    except Exception:  # noqa: BLE001 - a pickle cut at the limit or damaged: the names read so far stand
+        pass
+    what = f"names {', '.join(dict.fromkeys(names))}" if names else "is a plain pickle"
+    return refused(file, f"it holds pickled code (a plain Python pickle, not torch's format, that {what})")
+
+
+def quiet_load(source: Any) -> Any:
+    """torch's weights-only load onto the CPU without its warnings (a refusal says why itself)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return torch.load(source, map_location="cpu", weights_only=True)
+
+
 def load_pt(file: Path) -> Any:
     """``torch.load(weights_only=True)`` onto the CPU; a file that holds more than tensors
-    and plain values is refused with one line naming it."""
+    and plain values is refused with one line naming it (torch's own warnings silenced: the
+    refusal says why)."""
     try:
-        return torch.load(file, map_location="cpu", weights_only=True)
+        return quiet_load(file)
     except pickle.UnpicklingError as e:
-        refusal = weights_only_refusal(Path(file), e)
+        refusal = weights_only_refusal(Path(file), e) or pickled_code(Path(file))
         if refusal is None:
             raise
         raise refusal from None
@@ -338,7 +381,7 @@ def verify_sharded(folder: Path) -> None:
 def load_entry(data: io.BytesIO, shard: Path, entry: str) -> Any:
     """One "bytes" entry of a shard file, weights-only; refused or unreadable, naming both."""
     try:
-        return torch.load(data, map_location="cpu", weights_only=True)
+        return quiet_load(data)
     except Exception as e:  # noqa: BLE001 - any entry that does not load is refused, whatever the reason
         raise entry_error(shard, entry, e) from None
 
@@ -402,7 +445,7 @@ def _dcp_classes() -> tuple[type, type]:
 
         def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
             try:
-                obj = torch.load(value, map_location="cpu", weights_only=True)
+                obj = quiet_load(value)
             except Exception as e:  # noqa: BLE001 - the reader names the file and refuses it
                 raise _EntryError(read_item.dest_index.fqn, e) from None
             checked = io.BytesIO()

@@ -17,6 +17,7 @@ COMMANDS = {
     "train": "train a GPT with the knobs you choose (a Hydra app: perfrun train --help)",
     "gpu-check": "diagnose this machine and measure what it can do",
     "report": "the table and plot of runs or sweeps, after the fact (perfrun report PATH...)",
+    "estimate": "the memory a configuration will need, by category and module, before it runs (a Hydra app)",
     "tune": "search batch size, checkpointing, compile and workers for the highest tokens/s",
     "generate": "sample text from a checkpoint with a KV cache, and measure what the cache buys",
     "export": "write a checkpoint as ONNX or safetensors (in the Hugging Face GPT-2 or Llama layout)",
@@ -25,7 +26,7 @@ COMMANDS = {
 # The other commands: each module's main(argv) -> exit code, imported only when used.
 _MODULES = {name: f"perfrun.commands.{name.replace('-', '_')}" for name in COMMANDS}
 # the other commands that are Hydra apps: Tab completes their keys as it does train's
-HYDRA_COMMANDS = ("tune", "generate", "export", "prepare")
+HYDRA_COMMANDS = ("tune", "estimate", "generate", "export", "prepare")
 
 
 def _usage() -> str:

@@ -4,7 +4,7 @@ or measured as dynamic int8 against float (``format=int8-report``).
 
 A Hydra app over :class:`ExportConfig` (``perfrun export --help`` lists every key); the
 formats are written by :mod:`perfrun.inference.onnx_export`,
-:mod:`perfrun.inference.hf_layout` and :mod:`perfrun.inference.int8`.
+:mod:`perfrun.models.hf_layout` and :mod:`perfrun.inference.int8`.
 Needs: ``pip install 'perfrun[export]'`` (onnx, onnxscript, onnxruntime, safetensors), and
 ``perfrun[int8]`` (torchao) for the int8 report.
 """
@@ -17,12 +17,13 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from perfrun.checkpoint.atomic import write_json
 from perfrun.commands.hydra_app import HydraCommand
 from perfrun.config import ConfigError
 from perfrun.console import error, stderr_console
-from perfrun.inference.hf_layout import export_safetensors
 from perfrun.inference.loading import load_model
 from perfrun.inference.onnx_export import DEFAULT_ATOL, OnnxMismatch, export_onnx
+from perfrun.models.hf_layout import export_safetensors
 
 FORMATS = ("onnx", "safetensors", "int8-report")
 
@@ -47,7 +48,8 @@ class ExportConfig:
         "help": "a step_*.pt file, a sharded step_* folder, or a run folder (its newest checkpoint); required"})
     format: str | None = field(default=None, metadata={"help": f"{', '.join(FORMATS)}; required"})
     out: str | None = field(default=None, metadata={
-        "help": "onnx: the file; safetensors: the folder; null: <run dir>/export/step_N.onnx or step_N-hf/"})
+        "help": "onnx: the file; safetensors: the folder; int8-report: a JSON file of the report (null: printed only); "
+                "null: <run dir>/export/step_N.onnx or step_N-hf/"})
     atol: float = field(default=DEFAULT_ATOL, metadata={
         "help": "onnx: the largest absolute logit difference onnxruntime vs PyTorch that is accepted"})
     opset: int = field(default=18, metadata={"help": "onnx: the opset version"})
@@ -76,12 +78,18 @@ def int8_report(cfg: ExportConfig) -> int:
     from perfrun.inference.int8 import int8_report as measure
 
     o = cfg.int8
+    out = Path(cfg.out).expanduser() if cfg.out else None
+    if out is not None and out.is_dir():
+        raise ConfigError(f"out={out} is a folder; give the report's file name, such as out={out / 'int8-report.json'}")
     rep = measure(Path(cfg.checkpoint or "").expanduser(), val_batches=o.val_batches, batch_size=o.batch_size,
                   gen_tokens=o.gen_tokens, include_head=o.include_head)
     if o.json:
         print(json.dumps({**asdict(rep), "loss_rel_diff": rep.loss_rel_diff}, indent=1))
     else:
         print("\n".join(rep.lines()))
+    if out is not None:  # the report as JSON, all or nothing
+        write_json(out, {**asdict(rep), "loss_rel_diff": rep.loss_rel_diff})
+        stderr_console().print(f"wrote {out} (the int8 report as JSON)", markup=False)
     return 0 if math.isfinite(rep.int8_val_loss) else 1
 
 

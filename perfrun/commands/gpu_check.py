@@ -37,18 +37,57 @@ def _stdout_to_stderr(enabled: bool) -> Iterator[None]:
         yield
 
 
+def _missing_device(index: int | None) -> str | None:
+    """``--device N`` that this machine does not have: one line naming the devices it has."""
+    if index is None:
+        return None
+    import torch
+
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if n == 0:
+        return (f"--device {index}: this machine has no CUDA device (torch {torch.__version__}, CUDA "
+                f"{torch.version.cuda or 'none'}); drop --device to check the CPU")
+    if index >= n:
+        names = ", ".join(f"{i}: {torch.cuda.get_device_name(i)}" for i in range(n))
+        return f"--device {index} does not exist: this machine has {n} CUDA device(s) ({names}); pick one of them"
+    return None
+
+
 def main(argv: list[str] | None = None, *, nvml_module: Any = None) -> int:
     """Gather, judge, print; the exit status is 1 when a check failed, 2 for a bad flag."""
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     if args.device is not None and args.device < 0:
         print(f"perfrun gpu-check: --device {args.device} must be >= 0", file=sys.stderr)
         return 2
+    missing = _missing_device(args.device)
+    if missing is not None:
+        print(f"perfrun: error: {missing}", file=sys.stderr)
+        return 2
     with _stdout_to_stderr(args.json):
         report = gather(args.device, quick=args.quick, nvml_module=nvml_module)
         checks = evaluate(report)
+        _memory_estimate(report, quick=args.quick)
     add_verdict(report, checks)
     if args.json:
         sys.stdout.write(to_json(report))
     else:
         render(report, checks, Console())
+        if "memory_estimate" in report:
+            from perfrun.loop.memory.preflight import gpu_check_line
+
+            Console(highlight=False).print(gpu_check_line(report["memory_estimate"]), markup=False)
     return report["exit_code"]
+
+
+def _memory_estimate(report: dict[str, Any], *, quick: bool) -> None:
+    """The GPT-2 124M shape's estimated peak against the checked GPU's memory (not with
+    --quick, not without a GPU): an estimate, labelled so."""
+    index = report.get("device_index") or 0
+    if quick or not report["cuda"]["torch_device_count"] or index >= report["cuda"]["torch_device_count"]:
+        return
+    import torch
+
+    from perfrun.loop.memory.preflight import gpu_check_estimate
+
+    bf16 = bool((report.get("capabilities") or {}).get("bf16"))
+    report["memory_estimate"] = gpu_check_estimate(torch.device("cuda", index), bf16)

@@ -5,8 +5,8 @@ overrides checked against a dataclass, ``--help`` listing every key with its hel
 
 A plain run composes the configuration with Hydra's compose API and runs the job in this
 process (no run dir: these commands write only what they are asked to). Anything with a
-flag (``--help``, ``--cfg``, ``-sc``, ``-m``) goes to ``hydra.main``, as ``perfrun train``
-does. Two things are done to the words before Hydra sees them:
+flag (``--help``, ``--cfg``, ``-sc``, ``-m``) goes to Hydra's own runner (:func:`run_hydra`),
+as ``perfrun train`` does. Two things are done to the words before Hydra sees them:
 
 - keys in ``raw_keys`` (``prompt=``) take their value literally: the text is quoted for
   Hydra, so spaces, commas, quotes, ``=`` or ``${`` in a prompt stay what they are;

@@ -8,12 +8,15 @@ import sys
 from pathlib import Path
 
 from perfrun.checkpoint.atomic import atomic_write
-from perfrun.console import error
+from perfrun.console import error, warn
 from perfrun.report.ladder import DEFAULT_LOSS_WINDOW
 from perfrun.report.plot import plot_or_warn
 from perfrun.report.reading import load
 from perfrun.report.render import print_report, to_csv, to_html, to_json, to_markdown
-from perfrun.report.rows import ReportError
+from perfrun.report.rows import Report, ReportError
+
+#: a single run's plot (loss and tokens/s over the steps), written into its run dir
+RUN_PNG = "report.png"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -28,6 +31,7 @@ def _parser() -> argparse.ArgumentParser:
         epilog="examples:\n  perfrun report outputs/multirun/2025-01-01/12-00-00\n"
                "  perfrun report outputs/multirun/A outputs/multirun/B --html compare.html\n"
                "  perfrun report outputs/multirun/A --csv > runs.csv\n"
+               "  perfrun report outputs/2025-01-01/12-00-00   (one run: its table and RUN_DIR/report.png)\n"
                "A key one run set and another left at its default shows the default's value, read\n"
                "from that run's configuration; a column with no figure in any row is left out.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -39,7 +43,9 @@ def _parser() -> argparse.ArgumentParser:
     fmt.add_argument("--markdown", action="store_true",
                      help="print Markdown tables (machine named) to stdout, e.g. for a README")
     p.add_argument("--html", metavar="FILE", help="also write a static HTML page (table and embedded plot)")
-    p.add_argument("--plot", metavar="FILE", help="also write the PNG plot of tokens/s against each swept key")
+    p.add_argument("--plot", metavar="FILE",
+                   help="also write the PNG plot: tokens/s against each swept key, the ladder, or for a single run its "
+                        f"loss and tokens/s over the steps (a single run's plot goes to RUN_DIR/{RUN_PNG} without it)")
     p.add_argument("--loss-window", type=float, default=DEFAULT_LOSS_WINDOW,
                    help=f"ladder loss parity: tail fraction of the logged steps averaged (default {DEFAULT_LOSS_WINDOW})")
     return p
@@ -52,13 +58,10 @@ def main(argv: list[str]) -> int:
         if not 0 < args.loss_window <= 1:
             raise ReportError(f"--loss-window {args.loss_window} must be in (0, 1], e.g. 0.2 for the last 20%")
         report = load(args.paths, loss_window=args.loss_window)
-        png = None
-        if args.plot or args.html:
-            png = plot_or_warn(report)
-        if args.plot and png is not None:
-            atomic_write(Path(args.plot), png)
-        if args.html:
-            atomic_write(Path(args.html), to_html(report, png))
+        if report.rows and all(r.status == "unreadable" for r in report.rows):
+            raise ReportError("; ".join(f"{r.job}: {r.reason}" for r in report.rows)
+                              + ": nothing to report; give a run or sweep dir whose summary.json is intact")
+        written = _write_files(args, report)
     except ReportError as e:
         error(f"report: {e}")
         return 2
@@ -73,4 +76,41 @@ def main(argv: list[str]) -> int:
         sys.stdout.write(to_markdown(report))
     else:
         print_report(report)
+    # where the files went; on stderr when stdout carries CSV, JSON or Markdown
+    out = sys.stderr if args.csv or args.json or args.markdown else sys.stdout
+    for path in written:
+        print(f"report: wrote {path}", file=out)
+    _resume_hints(args.paths)
     return 0
+
+
+def _write_files(args: argparse.Namespace, report: Report) -> list[Path]:
+    """The plot and HTML page asked for, and for a single run its plot beside it (RUN_PNG)
+    when no --plot names another place; returns the paths written."""
+    single = len(args.paths) == 1 and len(report.rows) == 1
+    plot = Path(args.plot) if args.plot else report.paths[report.rows[0].job] / RUN_PNG if single else None
+    png = plot_or_warn(report) if plot is not None or args.html else None
+    written = []
+    if plot is not None and png is not None:
+        try:
+            atomic_write(plot, png)
+            written.append(plot)
+        except OSError as e:
+            if args.plot:
+                raise
+            warn(f"report: no plot written: cannot write {plot}: {e.strerror}; give --plot FILE to write it elsewhere")
+    if args.html:
+        atomic_write(Path(args.html), to_html(report, png))
+        written.append(Path(args.html))
+    return written
+
+
+def _resume_hints(paths: list[str]) -> None:
+    """A stopped sweep: the one command that runs the jobs it did not finish."""
+    from perfrun.commands.sweep_callback import resume_command, unfinished
+
+    for given in paths:
+        left = unfinished(Path(given))
+        command = resume_command(Path(given)) if left else None
+        if command:
+            print(f"{given}: job(s) {', '.join(left)} did not finish; to run what is missing: {command}")

@@ -9,11 +9,13 @@ and the answer is composed without importing the trainer (no torch), so a Tab is
 from __future__ import annotations
 
 import contextlib
+import errno
 import importlib.util
 import json
 import logging
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -30,11 +32,12 @@ from perfrun.commands.launch import (
     validate_job,
     world_size,
 )
-from perfrun.config import config_dir, typed
+from perfrun.config import TrainConfig, config_dir, typed
 from perfrun.console import composition_error, error, first_line, stderr_console
 
 PARALLEL = ("ddp", "fsdp")  # the distributed= values that run one process per GPU
 COMPLETION_FLAGS = ("-sc", "--shell-completion")
+CONFIG_ROOM = 64 * 1024  # bytes a run dir must take before the job starts: Hydra's .hydra/*.yaml and more
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -62,6 +65,9 @@ def _preflight(args: list[str]) -> tuple[str | None, DictConfig | None]:
         return composition_error(e), None
     try:
         check(cfg.logger)
+        from perfrun.validate import check_bounds
+
+        check_bounds(cfg)
     except ConfigError as e:
         return str(e), None
     return _unwritable(Path(run_dir)), cfg
@@ -114,9 +120,16 @@ def _failed_jobs(in_process: list[str], sweep_dir: str | None) -> list[str]:
     job in another process (slurm, slurm_local) leaves them."""
     if in_process or sweep_dir is None:
         return in_process
-    from perfrun.report.sweep_callback import failed_jobs
+    from perfrun.commands.sweep_callback import failed_jobs
 
     return failed_jobs(Path(sweep_dir))
+
+
+def _exists(path: Path) -> bool:
+    try:
+        return path.exists()
+    except OSError:  # a name longer than the filesystem takes: it does not exist
+        return False
 
 
 def _unwritable(run_dir: Path) -> str | None:
@@ -125,14 +138,27 @@ def _unwritable(run_dir: Path) -> str | None:
     import tempfile
 
     ancestor = run_dir.absolute()
-    while not ancestor.exists():
+    while not _exists(ancestor):
         ancestor = ancestor.parent
     if not ancestor.is_dir():
         return f"hydra.run.dir={run_dir} cannot be created: {ancestor} is a file; choose another hydra.run.dir"
     try:
-        with tempfile.TemporaryFile(dir=ancestor):
-            pass
+        name_max = os.pathconf(ancestor, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        name_max = 255
+    long = next((p for p in run_dir.parts if len(os.fsencode(p)) > name_max), None)
+    if long is not None:
+        return (f"hydra.run.dir: the folder name {long[:24]}... is {len(os.fsencode(long))} bytes, more than the "
+                f"{name_max} this filesystem allows in a name; choose a shorter hydra.run.dir")
+    try:
+        with tempfile.TemporaryFile(dir=ancestor) as f:
+            f.write(bytes(CONFIG_ROOM))  # room for the configuration Hydra saves before the job starts
+            f.flush()
+            os.fsync(f.fileno())
     except OSError as e:
+        if e.errno == errno.ENOSPC:
+            return (f"hydra.run.dir={run_dir}: the disk of {ancestor} is full (not even {CONFIG_ROOM // 1024} KiB free "
+                    "for the run's configuration); free space there or choose a hydra.run.dir on another disk")
         return f"hydra.run.dir={run_dir} is not writable ({ancestor}: {e.strerror}); choose a writable hydra.run.dir"
     return None
 
@@ -150,6 +176,13 @@ def train_main(args: list[str]) -> int:
     args, given_root = take_search_root(args)
     register_configs()
     problem = _launcher_problem(args) or _logger_problem(args)
+    if problem is not None:
+        error(problem)
+        return 2
+    from perfrun.commands import sweep_jobs
+
+    problem = sweep_jobs.override_grammar(args) or (
+        sweep_jobs.preflight(args) if _multirun(args) else sweep_jobs.preset_without_multirun(args))
     if problem is not None:
         error(problem)
         return 2
@@ -303,6 +336,19 @@ def _run_app(args: list[str], search_root: Path | None) -> int:
         overrides = list(hc.overrides.task)
         try:
             config = typed(cfg)  # the job's configuration, typed once; cfg stays as Hydra composed it
+            if hc.mode == RunMode.MULTIRUN:
+                if _measured_before(config, run_dir, overrides):
+                    return
+            if config.ablation.rung and world_size() == 1:  # a ladder rung: skipped where its knob cannot act
+                from perfrun.commands.rungs import decide, skip
+
+                decision = decide(config)
+                if decision.skip is not None:
+                    skip(config, run_dir, overrides, decision.skip)
+                    return
+                overrides = [*overrides, *decision.turned_off]
+            if hc.mode == RunMode.MULTIRUN:
+                config = _with_planned_budget(config, Path(hc.sweep.dir))
             if config.distributed in PARALLEL and config.nproc > 1 and world_size() == 1:
                 code = run_sweep_job_on_ranks(config, overrides, run_dir, sweep_args=args, search_root=search_root)
                 if code in (130, 143):  # the ranks were stopped by a signal: so is the sweep
@@ -313,7 +359,12 @@ def _run_app(args: list[str], search_root: Path | None) -> int:
                 log.info(f"run dir {shown_path(run_dir)}")
                 search = RunSearch(search_root, job_config(cfg), run_dir) if search_root is not None else None
                 try:
-                    run(config, run_dir, overrides=overrides, search=search, sweep_args=args)
+                    if config.ablation.rung:
+                        from perfrun.commands.rungs import run_rung
+
+                        run_rung(config, run_dir, overrides=overrides, search=search, sweep_args=args)
+                    else:
+                        run(config, run_dir, overrides=overrides, search=search, sweep_args=args)
                 finally:
                     log.info(f"run dir {shown_path(run_dir)}: {_contents(run_dir)}")
         except (ConfigError, RunFailed) as e:
@@ -333,12 +384,40 @@ def _run_app(args: list[str], search_root: Path | None) -> int:
             args = [*args, f"hydra.sweep.dir={quoted(sweep_dir)}"]
         except Exception:  # noqa: BLE001 - a bad hydra.* override: Hydra reports it just below
             sweep_dir = None
-    run_hydra("train", args, app)
+    from perfrun.commands.sweep_jobs import stops_cleanly
+
+    with stops_cleanly(sweep_dir):
+        run_hydra("train", args, app)
     failed = _failed_jobs(failed, sweep_dir)
     if failed:
         error(f"{len(failed)} job(s) of the sweep failed: " + "; ".join(failed))
         return 1
     return 0
+
+
+def _measured_before(cfg: TrainConfig, run_dir: Path, overrides: list[str]) -> bool:
+    """A sweep job with ``resume=auto`` that the sweep dir already holds measured: True, with a
+    log line, and the job is not run again."""
+    from perfrun.commands.sweep_jobs import already_measured
+
+    if cfg.resume != "auto":
+        return False
+    status = already_measured(run_dir, overrides)
+    if status is not None:
+        log.info(f"resume=auto: job {run_dir.name} is already {status} in {run_dir}; kept, not run again")
+    return status is not None
+
+
+def _with_planned_budget(cfg: TrainConfig, sweep_dir: Path) -> TrainConfig:
+    """The job with the time budget the sweep's calibration gives its rung kind in
+    ``ablation.budget_s``, unless the command line set one."""
+    from perfrun.commands.sweep_plan import budget_for
+
+    planned = budget_for(sweep_dir, cfg) if cfg.ablation.budget_s is None else None
+    if planned is None:
+        return cfg
+    log.info(f"rung {cfg.ablation.rung or '?'}: measured within a {planned[0]:g} s budget ({planned[1]})")
+    return replace(cfg, ablation=replace(cfg.ablation, budget_s=planned[0]))
 
 
 def shell_completion(args: list[str]) -> int:

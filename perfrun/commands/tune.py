@@ -75,7 +75,7 @@ class TrainTrial:
         self.out_dir = out_dir
         self.settings = [f"max_steps={steps}", f"timing_warmup_steps={warmup}", f"log_every={steps}",
                          "eval_every=0", "eval_batches=1", "progress=off", f"monitor.every_n_steps={steps}",
-                         *no_checkpoints]
+                         "memory.breakdown=true", *no_checkpoints]
         self.count = 0
 
     def compose(self, candidate: Candidate) -> TrainConfig:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from perfrun.config import ConfigError, DataConfig
+from perfrun.data.custom import custom_bundle
 from perfrun.data.memmap import memmap_bundle
 from perfrun.data.pysource import pysource_bundle
 from perfrun.data.synthetic import synthetic_bundle
@@ -24,4 +25,6 @@ def build_datasets(data_cfg: DataConfig, seq_len: int, seed: int) -> DataBundle:
         return memmap_bundle(data_cfg, seq_len)
     if name == "synthetic":
         return synthetic_bundle(data_cfg, seq_len, int(seed))
-    raise ConfigError(f"data.name={name} is not an option; choose one of pysource, text, memmap, synthetic")
+    if name == "custom":
+        return custom_bundle(data_cfg, seq_len)
+    raise ConfigError(f"data.name={name} is not an option; choose one of pysource, text, memmap, synthetic, custom")

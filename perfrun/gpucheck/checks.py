@@ -11,6 +11,7 @@ from typing import Any
 
 from perfrun.console import fmt
 from perfrun.gpucheck.gpu_checks import gpu_checks
+from perfrun.gpucheck.load import described
 from perfrun.gpucheck.verdict import FAIL, NA, OK, SKIP, WARN, Check
 
 #: Below this much free disk where outputs go, a run may die writing a checkpoint.
@@ -392,6 +393,17 @@ def evaluate(report: dict[str, Any]) -> list[Check]:
     if report.get("capabilities"):
         checks += capability_checks(report["capabilities"])
     if report.get("measurements"):
-        checks += measurement_checks(report["measurements"])
+        checks += busy_measurements(measurement_checks(report["measurements"]), report.get("load") or [])
     return checks
+
+
+def busy_measurements(checks: list[Check], loads: list[dict[str, Any]]) -> list[Check]:
+    """A figure measured while other processes held the machine is the neighbour's as much
+    as this machine's: each ok measurement becomes a ``busy`` warning that says what ran."""
+    said = described(loads)
+    if not said:
+        return checks
+    return [Check(c.section, c.name, WARN, f"busy: {c.detail}, measured while {said}; a floor, not this machine's peak",
+                  "rerun perfrun gpu-check when the machine is quiet (those processes finished)")
+            if c.status == OK else c for c in checks]
 

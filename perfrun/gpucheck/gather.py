@@ -16,6 +16,7 @@ import torch
 
 import perfrun
 from perfrun.console import first_line
+from perfrun.gpucheck import load
 from perfrun.gpucheck.facts import nvml_gpu_facts, software_facts, torch_gpu_facts
 from perfrun.gpucheck.measure import capability_facts, measurement_facts
 from perfrun.telemetry import nvml as nvml_mod
@@ -95,9 +96,12 @@ def gather(device_index: int | None, *, quick: bool, nvml_module: Any = None) ->
         device, gpu = torch.device("cpu"), None
     if device is not None:
         report["capabilities"] = capability_facts(device, quick=quick)
-        report["measurements"] = measurement_facts(
-            device, quick=quick, gpu=gpu, nvml=nvml, nvml_handle=handles.get(target_index),
-            runs={dt: bool(report["capabilities"].get(dt)) for dt in ("bf16", "fp16")},
-        )
+        first = load.before(nvml, handles.get(target_index))  # the machine's load before and during
+        with load.LoadWatch("during", nvml, handles.get(target_index)) as during:
+            report["measurements"] = measurement_facts(
+                device, quick=quick, gpu=gpu, nvml=nvml, nvml_handle=handles.get(target_index),
+                runs={dt: bool(report["capabilities"].get(dt)) for dt in ("bf16", "fp16")},
+            )
+        report["load"] = [first, during.result]
     report["gather_s"] = round(time.perf_counter() - t0, 2)
     return report

@@ -11,6 +11,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from perfrun.gpucheck.checks import cpu_precision
+from perfrun.gpucheck.load import described
 from perfrun.gpucheck.verdict import FAIL, OK, SKIP, WARN, Check, counts, exit_code
 
 _STYLE = {OK: "green", WARN: "yellow", FAIL: "bold red", SKIP: "dim"}
@@ -40,6 +41,9 @@ def render(report: dict[str, Any], checks: list[Check], console: Any) -> None:
             table.add_row(f"[{_STYLE[c.status]}]{c.status}[/]", escape(f"{c.section}: {c.name}"), escape(c.fix or ""))
         console.print(table)
         console.print()
+    busy = described(report.get("load") or [])
+    if busy:
+        console.print(f"[yellow]warning: busy[/]: {escape(busy)}; the measurements above are floors, not this machine's peak")
     n = counts(checks)
     verdict = "[bold red]FAIL[/]" if exit_code(checks) else "[bold green]PASS[/]"
     console.print(

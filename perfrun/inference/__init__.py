@@ -7,7 +7,8 @@
 - :mod:`~perfrun.inference.generation`: the decode loop (static KV cache, optional compiled
   decode step, batches of prompts, per-sequence stopping), timed;
 - :mod:`~perfrun.inference.int8`: dynamic int8 quantisation and its measured report;
-- :mod:`~perfrun.inference.onnx_export`, :mod:`~perfrun.inference.hf_layout`: the export formats.
+- :mod:`~perfrun.inference.onnx_export`: the ONNX export (the Hugging Face layout is the
+  models' own: :mod:`perfrun.models.hf_layout`).
 
 Nothing here imports a command; the commands import from here.
 """

@@ -98,6 +98,9 @@ def build_model(shape: dict[str, Any], config: dict[str, Any]) -> GPT | Llama:
     """The model the checkpoint describes: its shape, and its family's fields from the model
     group it recorded (a checkpoint written before the Llama family is a GPT)."""
     mcfg = config.get("model", {}) or {}
+    if mcfg.get("family") == "custom":
+        raise ConfigError(f"the checkpoint holds a custom model ({mcfg.get('target')}); generate and export need a "
+                          "decoder LM perfrun builds (model=tiny, gpt2*, llama*): load your own model with your code")
     attention = str(config.get("attention", "sdpa"))
     if mcfg.get("family", "gpt") == "llama":
         m = OmegaConf.merge(OmegaConf.structured(ModelConfig), mcfg, {k: shape[k] for k in checkpoint.SHAPE_KEYS

@@ -18,6 +18,10 @@ import torch.nn as nn
 
 from perfrun import distributed
 from perfrun.config import TrainConfig
+from perfrun.knobs.refusal import KnobRefused, need, refuse_unmet
+from perfrun.models import contract
+
+__all__ = ["KnobRefused", "Plan", "apply_knobs", "need", "refuse_unmet"]
 
 
 def _no_scaling() -> torch.amp.GradScaler:
@@ -84,7 +88,8 @@ class Plan:
 
 def apply_knobs(cfg: TrainConfig, device: torch.device, model: nn.Module, stack: ExitStack) -> Plan:
     """Apply every knob in a fixed order: backends, precision, fp8 (on the plain model), the
-    loss, activation checkpointing, ddp or fsdp, compile."""
+    loss, activation checkpointing, ddp or fsdp, compile. A knob the model cannot take is
+    refused (KnobRefused) before any is applied."""
     from perfrun.knobs import (
         activation_checkpointing,
         backends,
@@ -96,6 +101,7 @@ def apply_knobs(cfg: TrainConfig, device: torch.device, model: nn.Module, stack:
         precision,
     )
 
+    refuse_unmet(contract.knob_fits(model, cfg))
     plan = Plan(model=model, raw_model=model, micro_steps=int(cfg.accumulation.steps))
     plan.notes["accumulation_steps"] = plan.micro_steps
     for knob in (backends, precision, fp8, loss, activation_checkpointing, ddp, fsdp, compilation):

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from perfrun.config import ConfigError, TrainConfig
+from perfrun.knobs.refusal import need
 
 log = logging.getLogger("perfrun")
 
@@ -68,6 +69,7 @@ def apply(cfg: TrainConfig, device: torch.device, plan: Any, stack: ExitStack) -
     if scope == "model":
         plan.model = torch.compile(plan.model, **options)
     else:
+        need(plan.raw_model, "blocks", "compile_options.scope=blocks")
         for block in plan.raw_model.blocks:
             block.forward = torch.compile(block.forward, **options)  # maybe checkpoint-wrapped already
             stack.callback(block.__dict__.pop, "forward", None)

@@ -34,6 +34,7 @@ import torch.nn as nn
 from perfrun.config import CHOICES, ConfigError, TrainConfig
 from perfrun.device_conditions import FP8_MIN_CAPABILITY
 from perfrun.environment import torchao_available
+from perfrun.knobs.refusal import KnobRefused
 
 log = logging.getLogger("perfrun")
 
@@ -85,6 +86,9 @@ def choose_layers(model: nn.Module) -> Fp8Layers:
     owners = Counter(id(p) for _, m in model.named_modules(remove_duplicate=False) for p in m.parameters(recurse=False))
     owner_of = {id(p): f"{name}.{pname}" for name, m in model.named_modules()
                 for pname, p in m.named_parameters(recurse=False) if not isinstance(m, nn.Linear)}
+    # an output head whose weight the loss takes (loss_fn(hidden, lm_head.weight, targets)) is never
+    # called as a module: converted, it would be listed as FP8 and still run in the autocast dtype
+    head = getattr(model, "lm_head", None) if callable(getattr(model, "loss_fn", None)) else None
     layers = Fp8Layers()
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear):
@@ -93,6 +97,8 @@ def choose_layers(model: nn.Module) -> Fp8Layers:
         if owners[id(module.weight)] > 1:
             other = owner_of.get(id(module.weight), "another module")
             layers.kept[name] = f"weight tied to {other}, which reads it as a plain matrix"
+        elif module is head:
+            layers.kept[name] = "the output head: the loss reads its weight as a plain matrix, never calling the layer"
         elif in_f % ALIGN or out_f % ALIGN:
             layers.kept[name] = f"{in_f} -> {out_f} features: FP8 matmuls need multiples of {ALIGN}"
         else:
@@ -113,7 +119,7 @@ def convert(model: nn.Module, recipe: str, *, tokens: int | None = None, emulate
     layers = choose_layers(model)
     if not layers.convert:
         reasons = sorted(set(layers.kept.values())) or ["the model has no Linear layer"]
-        raise ConfigError(f"precision=fp8: no Linear layer can run in FP8 ({reasons[0]}); "
+        raise KnobRefused("precision=fp8", f"precision=fp8: no Linear layer can run in FP8 ({reasons[0]}); "
                           "use precision=bf16, or model.n_embd a multiple of 16")
     layers.pad_inner_dim = tokens is None or tokens % ALIGN != 0
     config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulate,

@@ -40,6 +40,7 @@ import torch
 
 from perfrun.config import ConfigError, FsdpOptions, TrainConfig
 from perfrun.knobs.precision import DTYPES
+from perfrun.knobs.refusal import need
 
 PREFETCH_KEYS = ("forward_prefetch", "backward_prefetch")
 
@@ -75,6 +76,7 @@ def apply(cfg: TrainConfig, device: torch.device, plan: Any, stack: ExitStack) -
     policy = MixedPrecisionPolicy(param_dtype=None if dtype == torch.float32 else dtype, reduce_dtype=torch.float32)
     model = plan.raw_model
     reshard = bool(opts.reshard_after_forward)
+    need(model, "blocks", "distributed=fsdp")
     blocks = list(model.blocks)
     for i, block in enumerate(blocks):
         last = i == len(blocks) - 1

@@ -219,32 +219,31 @@ def release(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
-class RandomBatches:
-    """A trial's batches: random tokens of the run's sequence length, ``size`` sequences, from
-    a private generator (the run's random streams are not drawn from)."""
+class ItemBatches:
+    """A trial's batches: ``size`` copies of one training item (input, target), so that any
+    model gets its own shapes and dtypes; the run's random streams are not drawn from."""
 
-    def __init__(self, device: torch.device, seq_len: int, vocab_size: int) -> None:
-        self.device, self.seq_len, self.vocab_size, self.size = device, seq_len, vocab_size, 1
-        self._gen = torch.Generator(device=device).manual_seed(0)
+    def __init__(self, device: torch.device, example: tuple[torch.Tensor, torch.Tensor]) -> None:
+        self.example = tuple(t.to(device) for t in example)
+        self.size = 1
 
     def start(self) -> None:
-        """Nothing to start: every batch is drawn when it is taken."""
+        """Nothing to start: every batch is made when it is taken."""
 
     def take(self) -> tuple[torch.Tensor, torch.Tensor]:
-        shape = (self.size, self.seq_len)
-        return (torch.randint(self.vocab_size, shape, device=self.device, generator=self._gen),
-                torch.randint(self.vocab_size, shape, device=self.device, generator=self._gen))
+        x, y = (t.unsqueeze(0).expand(self.size, *t.shape).contiguous() for t in self.example)
+        return x, y
 
 
 class StepTrial:
     """``trial(batch) -> bool``: does one training step at ``batch`` fit? See the module doc."""
 
     def __init__(self, plan: Plan, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
-                 device: torch.device, seq_len: int, vocab_size: int, budget_bytes: int | None, *,
+                 device: torch.device, example: tuple[torch.Tensor, torch.Tensor], budget_bytes: int | None, *,
                  clip: float) -> None:
         self.model, self.optimizer, self.device, self.budget = plan.raw_model, optimizer, device, budget_bytes
         self.peak_mib: dict[int, float] = {}
-        self.batches = RandomBatches(device, seq_len, vocab_size)
+        self.batches = ItemBatches(device, example)
         # the trainer's step over one micro-batch of the plain model, without the step hooks
         one_micro_batch = replace(plan, model=plan.raw_model, micro_steps=1, step_hooks=[], step_start_hooks=[])
         self.step = TrainStep(one_micro_batch, optimizer, scheduler, self.batches, Untimed(), clip=clip, device=device)
@@ -307,11 +306,12 @@ def _set_rng_state(device: torch.device, state: tuple[torch.Tensor, torch.Tensor
 
 def resolve_auto_batch(
     dl: DataLoaderConfig, device: torch.device, plan: Plan, optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler, train_sequences: int, seq_len: int, vocab_size: int,
-    clip: float,
+    scheduler: torch.optim.lr_scheduler.LRScheduler, train_sequences: int, example: tuple[torch.Tensor, torch.Tensor],
+    clip: float, start: Callable[[int, int], tuple[int | None, str]] | None = None,
 ) -> dict[str, Any]:
     """Find the batch for ``dataloader.batch_size=auto``; return what was chosen and how, for
-    summary.json (``batch_size`` is the choice). The run then starts as if it had been given."""
+    summary.json (``batch_size`` is the choice). The run then starts as if it had been given.
+    ``start(limit_bytes, cap)``: the batch the memory estimate fits, where the search begins."""
     budget_mib = dl.memory_budget_mib
     if device.type != "cuda" and budget_mib is None:
         import psutil
@@ -326,13 +326,15 @@ def resolve_auto_batch(
     if dl.max_batch_size is not None and dl.max_batch_size < cap:
         cap, cap_source = int(dl.max_batch_size), "dataloader.max_batch_size"
     budget = None if budget_mib is None else int(budget_mib * MIB)
-    trial = StepTrial(plan, optimizer, scheduler, device, seq_len, vocab_size, budget, clip=clip)
+    trial = StepTrial(plan, optimizer, scheduler, device, example, budget, clip=clip)
+    limit = budget if budget is not None else torch.cuda.get_device_properties(device).total_memory
+    estimated, how = start(limit, cap) if start is not None else (None, "no estimate")  # where the search starts
     rng, schedule, loss_scale = _rng_state(device), scheduler.state_dict(), plan.state_dict()
     t0 = time.perf_counter()
     try:
         with compilation.eager():  # each trial's batch would compile anew (scope=blocks compiles in place)
             trial.prime()
-            result = search(trial, start=1, cap=cap, margin=float(dl.batch_margin))
+            result = search(trial, start=estimated or 1, cap=cap, margin=float(dl.batch_margin))
     except NoBatchFits:
         where = f"the budget of {budget_mib:,.0f} MiB" if budget_mib is not None else f"{device}'s memory"
         raise ConfigError(
@@ -361,6 +363,8 @@ def resolve_auto_batch(
         "method": method,
         "trials": [[b, ok, trial.peak_mib.get(b)] for b, ok in result.trials],
         "search_s": round(seconds, 3),
+        "estimate": {"largest_batch": estimated, "how": how, "measured": False,
+                     "off_pct": 100 * (estimated / result.max_fit - 1) if estimated else None},
     }
     fail = f", first failing {result.first_fail}" if result.first_fail is not None else ""
     log.info(
@@ -368,4 +372,7 @@ def resolve_auto_batch(
         f"stopped by {stopped_by}, margin {result.margin:.0%}) after {len(result.trials)} trials in {seconds:.1f} s; "
         f"memory: {method}"
     )
+    if estimated:
+        log.info(f"batch_size=auto: the estimate said {estimated} fits ({how}); the search found {result.max_fit} "
+                 f"({notes['estimate']['off_pct']:+.0f} %)")
     return notes

@@ -28,9 +28,8 @@ from perfrun.checkpoint.checkpointer import Start
 from perfrun.checkpoint.files import CheckpointWriteError, check_writable
 from perfrun.checkpoint.resume_search import RunSearch
 from perfrun.checkpoint.run_lock import RunRecord, locked
-from perfrun.config import ConfigError, TrainConfig, as_dict
+from perfrun.config import ConfigError, TrainConfig
 from perfrun.console import first_line
-from perfrun.device_conditions import device_kind, rung_applies
 from perfrun.environment import environment, global_state, rank_info
 from perfrun.loop.schedule import Loop, build_loop, train_loop
 from perfrun.loop.setup import Resolved, setup
@@ -62,12 +61,6 @@ def run(cfg: TrainConfig, run_dir: Path | None, *, overrides: list[str] | None =
     """
     rank, world = rank_info()
     main = rank == 0
-    try:
-        applies = rung_applies(cfg.ablation.acts_on, cfg.device)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    if not applies:
-        return _skip_rung(cfg, run_dir if main else None, overrides)
     t_start = time.perf_counter()
     state_at_start = global_state()
     summary: RunSummary = {"status": "running", "overrides": list(overrides or []), "rank": rank, "world_size": world}
@@ -95,10 +88,10 @@ def run(cfg: TrainConfig, run_dir: Path | None, *, overrides: list[str] | None =
             with reporter:
                 summary.update(_train(cfg, loop, start, run_dir, snapshot=bool(built.facts["memory_snapshot"] and main),
                                       batch_size=resolved.batch_size))
-            if "monitor" in summary:  # did this job have the machine to itself?
-                summary["contention"] = contention.assess(summary["monitor"])
-                if main:
-                    contention.say(summary["contention"])
+            # did this job have the machine to itself? (the monitor's figures, else the host's at log points)
+            summary["contention"] = contention.assess(summary.get("monitor") or summary.get("host_load") or {})
+            if main:
+                contention.say(summary["contention"])
             if built.facts["memory_snapshot"] and main:
                 summary["memory_snapshot_path"] = dump_memory_snapshot(run_dir, "end of the job")
             del built, loop
@@ -137,20 +130,6 @@ def run(cfg: TrainConfig, run_dir: Path | None, *, overrides: list[str] | None =
             _log_summary(summary)
         if unwritten is not None and summary["status"] == "completed":
             raise RunFailed(unwritten)
-
-
-def _skip_rung(cfg: TrainConfig, run_dir: Path | None, overrides: list[str] | None) -> RunSummary:
-    """A ladder rung whose knob cannot act on this device (TF32 on a CPU, FP8 without FP8
-    tensor cores) is not run: measured, it would be the rung below plus noise. Its summary
-    says why, so the report shows it as not applicable; a summary already in ``run_dir`` stays."""
-    reason = f"not applicable on {device_kind(cfg.device)}: {cfg.ablation.why}"
-    summary: RunSummary = {"status": "skipped", "reason": reason, "overrides": list(overrides or []),
-                           "config": as_dict(cfg)}
-    log.info(f"rung {cfg.ablation.rung} skipped, {reason}")
-    if run_dir is not None and not (run_dir / "summary.json").exists():
-        run_dir.mkdir(parents=True, exist_ok=True)
-        write_json(run_dir / "summary.json", summary)
-    return summary
 
 
 def _hold_folders(cfg: TrainConfig, run_dir: Path | None, stack: ExitStack) -> None:

@@ -11,11 +11,13 @@ from pathlib import Path
 from perfrun.checkpoint.checkpointer import Checkpointer, Start, checkpoint_folder
 from perfrun.checkpoint.resume_search import RunSearch
 from perfrun.config import TrainConfig
+from perfrun.loop.budget import TimeBudget
 from perfrun.loop.evaluation import Evaluator
 from perfrun.loop.setup import Setup
 from perfrun.loop.step import BatchStream, TrainStep
 from perfrun.loop.stopping import Diverged, GracefulStop, NonFiniteGuard
 from perfrun.summary import RunSummary
+from perfrun.telemetry.memory_breakdown import TrackedStep
 from perfrun.telemetry.sinks import ConsoleReporter, RecordSink
 from perfrun.telemetry.step_metrics import MetricsConfig, StepMetrics
 
@@ -26,12 +28,13 @@ class Loop:
     """The parts the loop calls, each deciding its own cadence."""
 
     max_steps: int
-    train_step: TrainStep
+    train_step: TrainStep | TrackedStep
     metrics: StepMetrics
     guard: NonFiniteGuard
     evaluator: Evaluator
     checkpointer: Checkpointer
     stop: GracefulStop
+    budget: TimeBudget
 
 
 def build_loop(cfg: TrainConfig, built: Setup, run_dir: Path | None, sink: RecordSink, reporter: ConsoleReporter,
@@ -51,10 +54,15 @@ def build_loop(cfg: TrainConfig, built: Setup, run_dir: Path | None, sink: Recor
     checkpointer = Checkpointer(cfg.checkpoint, checkpoint_folder(cfg.checkpoint.dir, run_dir), parts, sink.write,
                                 sharded=plan.sharded_state, all_finite=guard.all_finite, paused=metrics.paused,
                                 config=built.resolved.config_record(cfg), seed=cfg.seed, max_steps=cfg.max_steps, search=search)
+    train_step: TrainStep | TrackedStep = TrainStep(plan, optimizer, scheduler, stream, metrics,
+                                                    clip=cfg.optim.grad_clip, device=device)
+    if cfg.memory.breakdown:  # one step after the warm-up runs under the memory tracker
+        train_step = TrackedStep(train_step, metrics, sink, warmup=cfg.timing_warmup_steps, max_steps=cfg.max_steps)
     return Loop(
         max_steps=cfg.max_steps,
-        train_step=TrainStep(plan, optimizer, scheduler, stream, metrics, clip=cfg.optim.grad_clip, device=device),
+        train_step=train_step,
         metrics=metrics, guard=guard, checkpointer=checkpointer, stop=stop,
+        budget=TimeBudget(cfg.ablation.budget_s, cfg.timing_warmup_steps, cfg.max_steps),
         evaluator=Evaluator(plan, built.val_loader, device, every=cfg.eval_every, batches=cfg.eval_batches,
                             max_steps=cfg.max_steps),
     )
@@ -70,6 +78,7 @@ def train_loop(loop: Loop, start: Start) -> RunSummary:
     checkpointer, stop = loop.checkpointer, loop.stop
     train_step.start()
     metrics.start(start.step)
+    loop.budget.start(start.step)
     step, interrupted_by, failure = start.step, None, None
     try:
         for step in range(start.step + 1, loop.max_steps + 1):
@@ -90,6 +99,8 @@ def train_loop(loop: Loop, start: Start) -> RunSummary:
             if evaluator.should_run(step):
                 with metrics.paused():
                     metrics.log_eval(step, evaluator.run())
+            if loop.budget.spent(step):
+                break
         guard.flush()
         if interrupted_by is None:
             checkpointer.save_at_end(step)
@@ -99,6 +110,7 @@ def train_loop(loop: Loop, start: Start) -> RunSummary:
     result = metrics.summary(step)
     result.update(evaluator.summary())
     result.update(checkpointer.summary())
+    result.update(loop.budget.summary())
     result.update(data_position=train_step.stream.position(), guard=guard.summary(),
                   interrupted_by=interrupted_by, failure=failure)
     return result

@@ -15,9 +15,13 @@ from perfrun import distributed
 from perfrun.config import ConfigError, TrainConfig, as_dict
 from perfrun.data import build_datasets, build_loader
 from perfrun.environment import device_name
-from perfrun.knobs import Plan, apply_knobs, fp8, fsdp
+from perfrun.knobs import Plan, apply_knobs, fp8, fsdp, refuse_unmet
+from perfrun.loop.memory.preflight import auto_batch_start, train_preflight
 from perfrun.loop.optimizer import build_optimizer, build_scheduler
 from perfrun.models.build import build_model
+from perfrun.models.contract import describe, knob_fits, model_class, parameter_counts
+from perfrun.models.custom import check_forward
+from perfrun.models.flops import flops_figure
 from perfrun.summary import RunSummary
 from perfrun.telemetry.mfu import mfu_dtype, resolve_peak
 from perfrun.telemetry.profiling import start_memory_history
@@ -92,10 +96,21 @@ def setup(cfg: TrainConfig, stack: ExitStack, resolved: Resolved) -> Setup:
     data = build_datasets(cfg.data, seq_len, cfg.seed)
     resolved.tokenizer, resolved.vocab_size = data.tokenizer, data.vocab_size  # what the ids are, recorded with the run
     log.info(data.description)
+    memory_estimate = train_preflight(cfg, data.vocab_size, device, world) if rank == 0 else None
 
     m = cfg.model
-    model = build_model(m, data.vocab_size, cfg.attention).to(device)
-    resolved.vocab_size_padded = model.config.vocab_size
+    model = build_model(m, data.vocab_size, cfg.attention)
+    resolved.vocab_size_padded = getattr(getattr(model, "config", None), "vocab_size", data.vocab_size)
+    example = data.train[0]
+    if m.family == "custom":  # the user's forward must give (logits or None, loss)
+        check_forward(model, *example, f"{m.name} ({m.target})")
+    fits = knob_fits(model, cfg)
+    for line in describe(fits):
+        log.info(line)
+    refuse_unmet(fits)  # before the model moves or any knob acts
+    flops = flops_figure(model, example, seq_len)
+    log.info(flops.describe())
+    model = model.to(device)
     plan = apply_knobs(cfg, device, model, stack)
     resolved.knobs = plan.notes
     optimizer, fused = build_optimizer(model, cfg.optim, device)
@@ -106,8 +121,9 @@ def setup(cfg: TrainConfig, stack: ExitStack, resolved: Resolved) -> Setup:
     if cfg.dataloader.batch_size == "auto":  # the largest batch that fits, found before the loaders exist
         from perfrun.loop.auto_batch import resolve_auto_batch
 
-        auto_batch = resolve_auto_batch(cfg.dataloader, device, plan, optimizer, scheduler, len(data.train), seq_len,
-                                        data.vocab_size, clip=cfg.optim.grad_clip)
+        auto_batch = resolve_auto_batch(cfg.dataloader, device, plan, optimizer, scheduler, len(data.train), example,
+                                        clip=cfg.optim.grad_clip,
+                                        start=lambda limit, cap: auto_batch_start(cfg, data.vocab_size, limit, cap))
         resolved.batch_size = int(auto_batch["batch_size"])
     else:
         resolved.batch_size = int(cfg.dataloader.batch_size)
@@ -120,13 +136,15 @@ def setup(cfg: TrainConfig, stack: ExitStack, resolved: Resolved) -> Setup:
 
     peak = resolve_peak(str(cfg.mfu.peak), device, mfu_dtype(cfg.precision.dtype, device, cfg.precision.tf32))
     tokens_per_step = batch_size * seq_len * plan.micro_steps * world  # all ranks together
-    throughput = Throughput(tokens_per_step, model.flops_per_token(seq_len), peak.tflops, peak.source, world)
+    throughput = Throughput(tokens_per_step, flops.per_token, peak.tflops if flops.per_token else None,
+                            peak.source if flops.per_token else "no FLOPs per token (see the FLOPs line)", world)
     facts: RunSummary = {
-        "knobs": plan.notes, "fused_adamw": fused,
-        "params": model.num_params(non_embedding=False), "params_non_embedding": model.num_params(),
-        "vocab_size": data.vocab_size, "vocab_size_padded": model.config.vocab_size, "seq_len": seq_len,
-        "tokens_per_step": tokens_per_step, "flops_per_token": throughput.flops_per_token, **peak.facts(),
+        "knobs": plan.notes, "fused_adamw": fused, **parameter_counts(model), "model_class": model_class(model),
+        "knob_fits": [f.as_dict() for f in fits],
+        "vocab_size": data.vocab_size, "vocab_size_padded": resolved.vocab_size_padded,
+        "seq_len": seq_len, "tokens_per_step": tokens_per_step, **flops.facts(), **peak.facts(),
         "data": data.description, "batch_size_auto": auto_batch, "memory_snapshot": snapshot,
+        "memory_estimate": memory_estimate,
     }
     log.info(
         f"model {m.name}: {facts['params'] / 1e6:.2f}M parameters, seq_len {seq_len}, "

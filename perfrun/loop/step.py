@@ -172,12 +172,12 @@ class TrainStep:
     def __call__(self, step: int) -> tuple[torch.Tensor, torch.Tensor, float]:
         """Run optimizer step ``step``; return its loss and gradient norm (on the device,
         unsynchronised) and the seconds spent waiting for batches."""
-        plan, micro, mark, device = self.plan, self.plan.micro_steps, self.metrics.phases.mark, self.device
+        plan, micro, mark = self.plan, self.plan.micro_steps, self.metrics.phases.mark
         for hook in plan.step_start_hooks:
             hook(step)
         self.metrics.begin_step()
         wait = 0.0
-        step_loss = torch.zeros((), device=device)
+        step_loss: torch.Tensor | None = None  # one micro-step: its loss itself, no zeros + add on the device
         for i in range(micro):
             t = time.perf_counter()
             x, y = self.stream.take()
@@ -190,7 +190,7 @@ class TrainStep:
                 mark("forward")
                 plan.backward(loss)
                 mark("backward")
-            step_loss += loss.detach()
+            step_loss = loss.detach() if step_loss is None else step_loss + loss.detach()
         grad_norm = plan.optimizer_step(self.optimizer, self.params, self.clip)
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
@@ -198,4 +198,5 @@ class TrainStep:
         self.metrics.end_step()
         for hook in plan.step_hooks:
             hook(step)
+        assert step_loss is not None  # plan.micro_steps >= 1 (config validation)
         return step_loss, grad_norm, wait

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import signal
 import threading
 from types import FrameType
@@ -101,10 +102,10 @@ class NonFiniteGuard:
         self._pending: list[tuple[int, torch.Tensor, Any]] = []
 
     def record(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
-        flags = torch.stack([~torch.isfinite(loss.detach().float()), ~torch.isfinite(grad_norm.detach().float())])
-        if not self.lagged:
-            self._count(step, bool(flags[0]), bool(flags[1]))
+        if not self.lagged:  # off CUDA a read costs no sync: two numbers checked, no tensor work
+            self._count(step, not math.isfinite(loss.item()), not math.isfinite(grad_norm.item()))
             return
+        flags = ~torch.isfinite(torch.stack([loss.detach().float(), grad_norm.detach().float()]))
         host = torch.empty(2, dtype=torch.bool, pin_memory=True)
         host.copy_(flags, non_blocking=True)
         event = torch.cuda.Event()

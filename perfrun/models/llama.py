@@ -5,7 +5,7 @@ frequency scaling), attention, the MLP, the block, the model. The weights use th
 layout as Hugging Face's ``LlamaForCausalLM`` (rotary embedding on the two halves of each
 head, separate q/k/v projections), so a folder written by ``save_pretrained`` loads by
 renaming alone (perfrun/models/pretrained.py) and export is the reverse
-(perfrun/inference/hf_layout.py).
+(perfrun/models/hf_layout.py).
 
 Grouped-query attention keeps ``n_kv_head`` key/value heads, each shared by
 ``n_head / n_kv_head`` query heads; the KV cache keeps only those. Before SDPA the keys and

@@ -30,11 +30,12 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
+from perfrun.checkpoint.safe_loading import load_pt
 from perfrun.config import ConfigError, config_dir
 from perfrun.console import first_line
-from perfrun.inference.hf_layout import llama_state_dict, perfrun_state_dict
 from perfrun.model_schema import ModelConfig
 from perfrun.models.gpt import GPT
+from perfrun.models.hf_layout import llama_state_dict, perfrun_state_dict
 from perfrun.models.llama import Llama
 
 SHAPE = {"n_layer": "n_layer", "n_head": "n_head", "n_embd": "n_embd", "block_size": "n_positions"}
@@ -63,6 +64,7 @@ def config_json(folder: Path, shown: str, family: str = "gpt") -> dict[str, Any]
             "a GPT model group (model=tiny, gpt2, ...)" if kind == "gpt2" else "a model perfrun has no family for")
         raise ConfigError(f"{shown} holds a model_type={kind} checkpoint, which needs {other}; model.family={family} "
                           f"takes {arch} folders (model_type {want})")
+    check_field_types(config, folder / "config.json")
     return config
 
 
@@ -74,6 +76,26 @@ def read_config(folder: Path, shown: str) -> dict[str, Any]:
         raise ConfigError(f"{shown} is a GPT-2 variant (activation {act}, layer_norm_epsilon {eps}, n_inner {inner}) that "
                           "perfrun's GPT does not compute (gelu_new, 1e-05, 4 x n_embd)")
     return config
+
+
+# config.json fields perfrun reads, and the type each must have (None: may be null)
+FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    "n_layer": (int,), "n_head": (int,), "n_embd": (int,), "n_positions": (int,), "n_ctx": (int,),
+    "vocab_size": (int,), "n_inner": (int, type(None)), "perfrun_real_vocab_size": (int, type(None)),
+    "layer_norm_epsilon": (int, float), "activation_function": (str,),
+}
+
+
+def check_field_types(config: dict[str, Any], file: Path) -> None:
+    """Each field perfrun reads has its JSON type (a whole number is no string or bool):
+    otherwise one line naming the file, the field and its value."""
+    for key, types in FIELD_TYPES.items():
+        value = config.get(key)
+        if key in config and (isinstance(value, bool) or not isinstance(value, types)):
+            wanted = " or ".join("null" if t is type(None) else {"int": "a whole number", "float": "a number",
+                                                                 "str": "a string"}[t.__name__] for t in types)
+            raise ConfigError(f"{file}: field {key} is {json.dumps(value)}, not {wanted}; correct it in that file "
+                              "(or export the model again)")
 
 
 def _preset(shape: dict[str, Any]) -> str | None:
@@ -120,7 +142,7 @@ def read_weights(folder: Path, shown: str, arch: str = "GPT-2") -> dict[str, tor
             return weights
         legacy = folder / "pytorch_model.bin"
         if legacy.is_file():
-            loaded = torch.load(legacy, map_location="cpu", weights_only=True)
+            loaded = load_pt(legacy)  # a plain pickle: one line, "pickled code"
             if not isinstance(loaded, dict):
                 raise ConfigError(f"{shown}: pytorch_model.bin holds a {type(loaded).__name__}, not a state dict of tensors")
             return loaded

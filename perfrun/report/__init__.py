@@ -1,7 +1,7 @@
 """Run, sweep and tune summaries: one table, a plot, CSV/JSON/HTML/Markdown, and the ladder.
 
 One source of truth: every row is read back from a job's ``summary.json`` (and, for loss
-parity, its ``metrics.jsonl``). The sweep callback (:mod:`perfrun.report.sweep_callback`) and ``perfrun
+parity, its ``metrics.jsonl``). The sweep callback (:mod:`perfrun.commands.sweep_callback`) and ``perfrun
 report`` both call :func:`load` and the same renderers, so the report of a sweep dir
 reproduces the table, CSV and JSON the sweep wrote, byte for byte.
 

@@ -109,12 +109,15 @@ def _tps_cell(e: dict[str, Any]) -> str:
 
 
 def _effect_cell(e: dict[str, Any], key: str) -> str:
-    return Effect(e[key], e[f"{key}_noise_pct"], e[f"{key}_measurable"]).text() if e.get("applicable", True) else NA
+    if not e.get("applicable", True) or e.get(key) is None:
+        return NA
+    return Effect(e[key], e[f"{key}_noise_pct"], e[f"{key}_measurable"], e.get(f"{key}_single", False)).text()
 
 
 def _runs_cell(e: dict[str, Any]) -> str:
     return f"{e['n']}" + (f" (+{e['contended']} contended)" if e["contended"] else "") + \
-        (f" (+{e['failed']} failed)" if e["failed"] else "")
+        (f" (+{e['failed']} failed)" if e["failed"] else "") + \
+        (f" (+{len(e['outliers'])} outlier)" if e.get("outliers") else "")
 
 
 def _rung_columns(first: str, against: str) -> list[Column]:
@@ -126,6 +129,9 @@ def _rung_columns(first: str, against: str) -> list[Column]:
         Column("vs_below", against, lambda e: e["vs_below"], text=lambda e: _effect_cell(e, "vs_below"), keep=0),
         Column("vs_baseline", "vs naive", lambda e: e["vs_baseline"], text=lambda e: _effect_cell(e, "vs_baseline"),
                keep=4),
+        # shown only where the naive trainer's speed does not stand (missing or contended)
+        Column("vs_reference", "vs fastest uncontended", lambda e: e.get("vs_reference"),
+               text=lambda e: _effect_cell(e, "vs_reference"), keep=4),
         Column("peak_mem_mib", "peak MiB", lambda e: e["peak_mem_mib"], ",.0f", keep=2),
         Column("first_step_s", "first step s", lambda e: e["first_step_s"], ".2f", keep=1),
         Column("loss_rel_diff", "Δ loss", lambda e: e["loss_rel_diff"], "+.2%", keep=3),

@@ -6,9 +6,12 @@ Each job says where it stands in its configuration's ``ablation`` block (conf/ab
 ``rung``, ``kind`` = ladder | without | alternative | tradeoff | seed, ``step``, ``knob``,
 ``acts_on``, ``why``); the jobs of a rung are its repeats. A rung's figure is the median over
 its completed repeats that had the machine to themselves, with the min-max spread; a job
-marked contended (summary.json ``contention``) is shown but never counted, and a rung with no
-other job is not ranked. An effect whose ranges overlap is "no measurable effect (±x %)"
-(:mod:`perfrun.report.noise`). A rung whose knob cannot act on the device (``acts_on: cuda``
+marked contended (summary.json ``contention``) is shown but never counted, a repeat far off
+its rung's others is named as an outlier and not counted (:func:`perfrun.report.noise.outliers`),
+and a rung with no other job is not ranked. An effect whose ranges overlap is "no measurable
+effect (±x %)"; a rung run once is judged against the machine's noise measured in the same
+sweep (:meth:`_Rungs._machine_noise`; :mod:`perfrun.report.noise`). What to recommend from
+these figures is :mod:`perfrun.report.verdict`. A rung whose knob cannot act on the device (``acts_on: cuda``
 on a CPU) is "not applicable", with the reason, and is not measured.
 
 **Loss parity, calibrated.** Each job's loss is the mean train loss over the last
@@ -23,13 +26,14 @@ alone decides.
 from __future__ import annotations
 
 import math
-from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
+from perfrun.report.memory_plot import add_savings, rung_breakdown
 from perfrun.report.metrics_file import train_records
-from perfrun.report.noise import Effect, Spread, effect, spread
-from perfrun.report.rows import Report, Row
+from perfrun.report.noise import OUTLIER_RATIO, Effect, Spread, effect, outliers, spread
+from perfrun.report.rows import Report, Row, finite
+from perfrun.report.verdict import against_reference, flat, recommend, verdict_line
 from perfrun.summary import read_summary
 
 DEFAULT_LOSS_WINDOW = 0.2
@@ -37,8 +41,6 @@ LOSS_FACTOR = 3.0
 LOSS_CEILING = 0.05
 #: keys a rung's configuration differs in that are not the knob (the line to paste leaves them out)
 NOT_KNOBS = ("ablation", "seed", "repeat")
-#: knobs that act on CUDA alone: a line to paste for another device leaves them out
-CUDA_ONLY = ("precision.tf32", "dataloader.pin_memory", "dataloader.device_input")
 
 
 def train_losses(job: Path) -> dict[int, float]:
@@ -67,19 +69,6 @@ def _median(values: list[Any]) -> float | None:
     return spread(values).median
 
 
-def _flat(node: Any, prefix: str = "") -> dict[str, Any]:
-    if not isinstance(node, dict):
-        return {prefix: node}
-    out: dict[str, Any] = {}
-    for k, v in node.items():
-        out.update(_flat(v, f"{prefix}{k}."))
-    return {k.rstrip("."): v for k, v in out.items()}
-
-
-def _spelt(v: Any) -> str:
-    return "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
-
-
 class _Rungs:
     """The jobs of one ladder sweep, by rung, with what each needs from the job dirs."""
 
@@ -94,17 +83,40 @@ class _Rungs:
         # losses are as good a baseline as any (its speed is what is not counted)
         base = [r for r in self.by_rung.get("naive", []) if r.status == "completed"]
         self.base_curve = train_losses(report.paths[base[0].job]) if base else {}
+        self.outliers: dict[str, float] = {}  # job -> the median of its rung's repeats
+        for jobs in self.by_rung.values():
+            quiet = [r for r in jobs if r.status == "completed" and not r.contended and finite(r.tokens_per_s)]
+            mid = _median([r.tokens_per_s for r in quiet])
+            self.outliers.update({quiet[i].job: mid for i in outliers([r.tokens_per_s for r in quiet])})
+        self.floor, self.floor_source = self._machine_noise()
 
     def counted(self, rung: str) -> list[Row]:
-        """The repeats a rung's figure is made of: completed and not contended."""
-        return [r for r in self.by_rung.get(rung, []) if r.status == "completed" and not r.contended]
+        """The repeats a rung's figure is made of: completed, not contended, not an outlier."""
+        return [r for r in self.by_rung.get(rung, []) if r.status == "completed" and not r.contended
+                and r.job not in self.outliers]
+
+    def _machine_noise(self) -> tuple[float | None, str]:
+        """The machine's noise (± % of a median) measured in this sweep: the naive trainer's
+        uncontended jobs (naive and naive_seed run the same speed), else the widest spread of
+        any rung's repeats (a calibration pair), else not measured."""
+        pooled = spread(r.tokens_per_s for rung in ("naive", "naive_seed") for r in self.counted(rung))
+        if pooled.n >= 2:
+            return pooled.half_pct, f"the naive trainer's {pooled.n} uncontended jobs (naive, naive_seed)"
+        pairs = {rung: spread(r.tokens_per_s for r in self.counted(rung)) for rung in self.by_rung}
+        pairs = {rung: sp for rung, sp in pairs.items() if sp.n >= 2 and sp.half_pct is not None}
+        if pairs:
+            rung = max(pairs, key=lambda k: pairs[k].half_pct)  # type: ignore[arg-type,return-value]
+            return pairs[rung].half_pct, (f"the widest spread of a rung's repeats ({rung}, {pairs[rung].n} jobs; "
+                                          "fewer than two uncontended naive jobs)")
+        return None, ("not measured: fewer than two uncontended jobs of any one configuration, so a single "
+                      "run's effect is unknown (ablation.repeats=2 or more on a quiet machine measures it)")
 
     def meta(self, rung: str) -> dict[str, Any]:
         return self.by_rung[rung][0].ablation
 
     def applicable(self, rung: str) -> bool:
         """Whether the rung's knob acts on the sweep's device: its jobs were not skipped (the
-        job decides, perfrun/device_conditions.py: rung_applies), and, for a sweep whose jobs ran
+        ladder's own code decides, perfrun/commands/rungs.py), and, for a sweep whose jobs ran
         every rung, ``acts_on`` names the device (fp8: a CUDA device whose jobs ran)."""
         rows = self.by_rung.get(rung, [])
         if rows and all(r.status == "skipped" for r in rows):
@@ -133,7 +145,7 @@ class _Rungs:
         """The rung's configuration as flat keys (from its first job's summary.json, read once)."""
         if rung not in self._configs:
             cfg = self.summary(self.by_rung[rung][0]).get("config") or {}
-            self._configs[rung] = {k: v for k, v in _flat(cfg).items() if k.split(".")[0] not in NOT_KNOBS}
+            self._configs[rung] = {k: v for k, v in flat(cfg).items() if k.split(".")[0] not in NOT_KNOBS}
         return self._configs[rung]
 
 
@@ -142,37 +154,48 @@ def _entry(rs: _Rungs, rung: str, against: Spread | None = None, base: Spread | 
     meta, rows = rs.meta(rung), rs.by_rung[rung]
     tps = rs.tps(rung)
     counted = rs.counted(rung)
-    e_below = effect(tps, against) if against is not None else Effect(None, None, None)
-    e_base = effect(tps, base) if base is not None else Effect(None, None, None)
+    e_below = effect(tps, against, rs.floor) if against is not None else Effect(None, None, None)
+    e_base = effect(tps, base, rs.floor) if base is not None else Effect(None, None, None)
     out = {
         "rung": rung, "kind": meta.get("kind"), "step": meta.get("step"), "knob": meta.get("knob") or None,
         "why": meta.get("why"), "jobs": [r.job for r in rows], "n": tps.n,
-        "contended": sum(1 for r in rows if r.contended), "failed": sum(1 for r in rows if r.status not in ("completed", "skipped")),
+        "contended": sum(1 for r in rows if r.contended), "failed": sum(1 for r in rows if r.status not in ("completed", "skipped", "stopped")),
+        "outliers": [r.job for r in rows if r.job in rs.outliers],
         "applicable": rs.applicable(rung),
         "tokens_per_s": tps.median, "tokens_per_s_min": tps.lo, "tokens_per_s_max": tps.hi, "spread_pct": tps.half_pct,
         "vs_below": e_below.ratio, "vs_below_noise_pct": e_below.noise_pct, "vs_below_measurable": e_below.measurable,
+        "vs_below_single": e_below.single,
         "vs_baseline": e_base.ratio, "vs_baseline_noise_pct": e_base.noise_pct,
-        "vs_baseline_measurable": e_base.measurable,
+        "vs_baseline_measurable": e_base.measurable, "vs_baseline_single": e_base.single,
         "peak_mem_mib": _median([r.peak_mem_mib for r in counted]),
+        "memory_breakdown": rung_breakdown([rs.summary(r) for r in counted]),
         "first_step_s": _median([r.first_step_s for r in counted]),
         **rs.loss(rung),
     }
     if not out["applicable"]:  # not measured: no figure of it stands in the tables
         out.update(peak_mem_mib=None, first_step_s=None, loss=None, loss_rel_diff=None, loss_steps=None)
     if rung == "naive":
-        out.update(vs_baseline=None, vs_baseline_noise_pct=None, vs_baseline_measurable=None)
+        out.update(vs_baseline=None, vs_baseline_noise_pct=None, vs_baseline_measurable=None, vs_baseline_single=False)
     out["verdict"] = _verdict(rs, rung, out, e_below)
     return out
 
 
 def _verdict(rs: _Rungs, rung: str, e: dict[str, Any], eff: Effect) -> str:
-    if not e["applicable"]:
-        return f"not applicable on {rs.device}: {e['why']}"
+    if not e["applicable"]:  # the skipped jobs' own reason (the device's or the model's), else the device's
+        skipped = next((r.reason for r in rs.by_rung.get(rung, []) if r.status == "skipped" and r.reason), None)
+        return skipped or f"not applicable on {rs.device}: {e['why']}"
     if e["n"] == 0:
         if e["contended"]:
             return f"not ranked: all {e['contended']} job(s) shared the machine (contended)"
+        if e["outliers"]:
+            return f"not ranked: its only job(s) ({', '.join(e['outliers'])}) were outliers"
         return "not measured: no completed job"
-    return eff.text() if eff.ratio is not None else "the baseline"
+    if eff.ratio is not None:
+        return eff.text()
+    if rung == "naive":
+        return "the baseline"
+    return ("the top rung was not measured: nothing to compare with" if e["kind"] == "without"
+            else "no rung below it was measured: nothing to compare with")
 
 
 def _parity(entries: list[dict[str, Any]], seed_gap: float | None) -> tuple[float, str]:
@@ -205,87 +228,15 @@ def _tradeoffs(rs: _Rungs, top: str | None) -> list[dict[str, Any]]:
                         spread_pct_at_largest=tps.half_pct)
         else:
             line.update(rung=rung, tokens_per_s=tps.median, spread_pct=tps.half_pct, n=tps.n,
-                        peak_mem_mib=_median([r.peak_mem_mib for r in rs.counted(rung)]))
+                        peak_mem_mib=_median([r.peak_mem_mib for r in rs.counted(rung)]),
+                        memory_breakdown=rung_breakdown([rs.summary(r) for r in rs.counted(rung)]))
     if top is not None and "checkpointing=none" in settings:
         t = rs.tps(top)
         settings["checkpointing=none"].update(rung=top, tokens_per_s=t.median, spread_pct=t.half_pct, n=t.n,
-                                              peak_mem_mib=_median([r.peak_mem_mib for r in rs.counted(top)]))
+                                              peak_mem_mib=_median([r.peak_mem_mib for r in rs.counted(top)]),
+                                              memory_breakdown=rung_breakdown([rs.summary(r) for r in rs.counted(top)]))
+    add_savings(list(settings.values()))  # the category each memory knob freed (memory_verdict)
     return list(settings.values())
-
-
-def _knob_keys(configs: list[dict[str, Any]]) -> list[str]:
-    """The configuration keys the measured jobs differ in: the knobs, in the first's order."""
-    keys = dict.fromkeys(k for c in configs for k in c)
-    return [k for k in keys if len({repr(c.get(k)) for c in configs}) > 1]
-
-
-def _line_to_paste(config: dict[str, Any], keys: list[str]) -> str:
-    """``perfrun train KEY=VALUE ...``: the knobs where ``config`` differs from perfrun's
-    defaults, so that the line runs exactly the configuration that was measured."""
-    from omegaconf import OmegaConf
-
-    from perfrun.config import TrainConfig
-
-    defaults = _flat(OmegaConf.to_container(OmegaConf.structured(TrainConfig)))
-    changed = [f"{k}={_spelt(config.get(k))}" for k in keys if config.get(k) != defaults.get(k)]
-    return " ".join(["perfrun train", *changed])
-
-
-def _recommend(rs: _Rungs, ladder: list[dict[str, Any]], others: list[dict[str, Any]]) -> dict[str, Any]:
-    """The configuration to run: one that was measured (a rung, an alternative or a top
-    without one knob) and within loss parity. The fastest median wins, but among the jobs
-    whose range overlaps the fastest's (no measurable difference) the one with the fewest
-    knobs on (counted from the naive trainer) is chosen; so the naive trainer itself when
-    nothing beat it outside the noise. Its figures are its own."""
-    measured = [e for e in (*ladder, *others) if e["applicable"] and e["n"] and e.get("parity") != "FLAGGED"]
-    climbed = [e for e in ladder if e["step"] and e["applicable"]]
-    if not measured:
-        unranked = all(e["n"] == 0 and e["contended"] for e in ladder if e["applicable"])
-        return {"knobs": [], "dropped": [e["rung"] for e in climbed], "line": "perfrun train",
-                "why": "no rung can be ranked: every job shared the machine (contended); rerun on a quiet machine"
-                if unranked else "no job was measured (no completed, uncontended job within loss parity)"}
-    configs = {e["rung"]: rs.config(e["rung"]) for e in measured}
-    naive = configs.get("naive") or (rs.config("naive") if "naive" in rs.by_rung else {})
-    keys = [k for k in _knob_keys([naive, *configs.values()]) if rs.device == "cuda" or k not in CUDA_ONLY]
-    best = max(measured, key=lambda e: e["tokens_per_s"])
-    tied = [e for e in measured if e is best or effect(rs.tps(e["rung"]), rs.tps(best["rung"])).measurable is not True]
-    chosen = min(tied, key=lambda e: (sum(configs[e["rung"]].get(k) != naive.get(k) for k in keys), -e["tokens_per_s"]))
-    config = configs[chosen["rung"]]
-    on = [e["rung"] for below, e in pairwise(ladder) if e in climbed and _has(config, rs, below["rung"], e["rung"])]
-    return {
-        "knobs": on, "dropped": [e["rung"] for e in climbed if e["rung"] not in on],
-        "line": _line_to_paste(config, keys), "measured_as": chosen["rung"], "measured_exactly": True,
-        "fastest": best["rung"], "speedup": chosen["vs_baseline"], "noise_pct": chosen["vs_baseline_noise_pct"],
-        "measurable": chosen["vs_baseline_measurable"], "peak_mem_mib": chosen["peak_mem_mib"],
-        "parity": chosen.get("parity"), "loss_rel_diff": chosen.get("loss_rel_diff"),
-        "fastest_vs_naive": Effect(best["vs_baseline"], best["vs_baseline_noise_pct"],
-                                   best["vs_baseline_measurable"]).text() if best["rung"] != "naive" else None,
-    }
-
-
-def _has(config: dict[str, Any], rs: _Rungs, below: str, rung: str) -> bool:
-    """Whether ``config`` holds what ``rung`` changed from the rung ``below`` it."""
-    under, mine = rs.config(below), rs.config(rung)
-    changed = {k: v for k, v in mine.items() if under.get(k) != v}
-    return bool(changed) and all(config.get(k) == v for k, v in changed.items())
-
-
-def verdict_line(rec: dict[str, Any], base_mem: float | None) -> str:
-    """The sweep's last line: what to run, and what it bought."""
-    if "measured_as" not in rec:
-        return f"verdict: {rec['line']} (defaults): {rec.get('why', '')}"
-    mem = f"{rec['peak_mem_mib']:,.0f} MiB" if rec.get("peak_mem_mib") is not None else "n/a"
-    if base_mem and rec.get("peak_mem_mib") is not None:
-        mem += f" ({rec['peak_mem_mib'] / base_mem:.2f}× the naive trainer's)"
-    rel = rec.get("loss_rel_diff")
-    loss = f"loss {rel:+.2%} ({rec.get('parity')})" if rel is not None else "loss parity n/a"
-    if rec["measured_as"] == "naive":
-        fastest = f" (the fastest, {rec['fastest']}: {rec['fastest_vs_naive']})" if rec.get("fastest_vs_naive") else ""
-        return (f"verdict: {rec['line']}  # the naive trainer: no configuration measured here was faster outside "
-                f"the noise{fastest}; peak memory {mem}")
-    speed = Effect(rec["speedup"], rec["noise_pct"], rec["measurable"]).text()
-    return (f"verdict: {rec['line']}  # {speed} the naive trainer's tokens/s (measured as {rec['measured_as']}), "
-            f"peak memory {mem}, {loss}")
 
 
 def ladders(report: Report, *, loss_window: float = DEFAULT_LOSS_WINDOW) -> list[dict[str, Any]]:
@@ -297,6 +248,19 @@ def ladders(report: Report, *, loss_window: float = DEFAULT_LOSS_WINDOW) -> list
         if rows:
             out.append(_one_ladder(report, root, rows, loss_window))
     return out
+
+
+def _model(rs: _Rungs, rows: list[Row]) -> dict[str, Any]:
+    """Which model the ladder measured, from its first completed job (a run written before
+    the counted FLOPs used the formula)."""
+    for row in rows:
+        s = rs.summary(row)
+        if s.get("status") == "completed":
+            m = (s.get("config") or {}).get("model") or {}
+            return {"name": m.get("name", "?"), "target": m.get("target"), "class": s.get("model_class"),
+                    "params": s.get("params"), "flops_per_token": s.get("flops_per_token"),
+                    "flops_per_token_source": s.get("flops_per_token_source", "formula")}
+    return {}
 
 
 def _one_ladder(report: Report, root: str, rows: list[Row], window: float) -> dict[str, Any]:
@@ -317,22 +281,39 @@ def _one_ladder(report: Report, root: str, rows: list[Row], window: float) -> di
         under = max((s for s in step_of if s < rs.meta(rung).get("step", 0)), default=None)
         alternatives.append(_entry(rs, rung, rs.tps(step_of[under]) if under is not None else None, base))
     without = [_entry(rs, rung, top_tps, base) for rung, k in kinds.items() if k == "without"]
-    for e in without:
-        e["verdict"] = _verdict(rs, e["rung"], e, effect(rs.tps(e["rung"]), top_tps) if top_tps else Effect(None, None, None))
     seed = rs.loss("naive_seed") if "naive_seed" in rs.by_rung else {}
     seed_gap = abs(seed["loss_rel_diff"]) if seed.get("loss_rel_diff") is not None else None
     tol, rule = _parity(ladder + alternatives + without, seed_gap)
-    recommended = _recommend(rs, ladder, [*alternatives, *without])
+    recommended = recommend(rs, ladder, [*alternatives, *without])
+    against_reference(rs, ladder + alternatives + without, recommended.get("reference"))
     first = rows[0]
     contended = [r for r in rows if r.contended]
-    notes = [f"{len(contended)} of {len(rows)} jobs shared the machine and are not counted (jobs "
-             f"{', '.join(r.job for r in contended)}); the first: {'; '.join(contended[0].contention)}"] if contended else []
-    if "naive" not in rs.by_rung:
-        notes.append("no naive job (+ablation=naive): no speed-up over the baseline and no loss parity")
     return {
         "root": root, "device": rs.device, "device_name": first.device_name, "software": first.software,
         "peak_mem_source": first.peak_mem_source, "loss_window": window, "loss_tolerance": tol, "loss_rule": rule,
-        "seed_gap": seed_gap, "top": top, "ladder": ladder, "alternatives": alternatives, "leave_one_out": without,
-        "tradeoffs": _tradeoffs(rs, top), "recommended": recommended,
-        "verdict": verdict_line(recommended, ladder[0]["peak_mem_mib"] if ladder else None), "notes": notes,
+        "seed_gap": seed_gap, "machine_noise_pct": rs.floor, "machine_noise_source": rs.floor_source,
+        "contended_jobs": [r.job for r in contended], "outliers": _outliers(rs),
+        "top": top, "ladder": ladder, "alternatives": alternatives, "leave_one_out": without,
+        "tradeoffs": _tradeoffs(rs, top), "recommended": recommended, "model": _model(rs, rows),
+        "verdict": verdict_line(recommended, ladder[0]["peak_mem_mib"] if ladder else None),
+        "notes": _notes(rs, rows, contended),
     }
+
+
+def _outliers(rs: _Rungs) -> list[dict[str, Any]]:
+    """The repeats left out as outliers: job, rung, its tokens/s and its rung's median."""
+    return [{"job": r.job, "rung": rung, "tokens_per_s": r.tokens_per_s, "rung_median": rs.outliers[r.job]}
+            for rung, jobs in rs.by_rung.items() for r in jobs if r.job in rs.outliers]
+
+
+def _notes(rs: _Rungs, rows: list[Row], contended: list[Row]) -> list[str]:
+    """The lines under the ladder's tables: who shared the machine, the outliers, the noise."""
+    notes = [f"{len(contended)} of {len(rows)} jobs shared the machine and are not counted (jobs "
+             f"{', '.join(r.job for r in contended)}); the first: {'; '.join(contended[0].contention)}"] if contended else []
+    notes += [f"job {o['job']} ({o['rung']}): {o['tokens_per_s']:,.0f} tokens/s is an outlier, more than "
+              f"{OUTLIER_RATIO:g}× off its rung's median {o['rung_median']:,.0f}; not counted" for o in _outliers(rs)]
+    if "naive" not in rs.by_rung:
+        notes.append("no naive job (+ablation=naive): no speed-up over the baseline and no loss parity")
+    noise = f"±{rs.floor:.1f}% from {rs.floor_source}" if rs.floor is not None else rs.floor_source
+    notes.append(f"machine noise: {noise}")
+    return notes

@@ -1,28 +1,32 @@
 """The ladder's figure (one PNG, for the HTML page and ``sweep_summary.png``): the ladder as
-a waterfall of tokens/s with each rung's min-max range as an error bar; the leave-one-out
-bars; memory against tokens/s for the trade-offs; each job's loss and tokens/s over the
-steps (a contended job shows as a dashed line); and the step breakdown as stacked bars.
+a waterfall of tokens/s with each rung's min-max range as an error bar (a rung of one run
+says "1 run"; its contended, outlier and failed jobs are hollow markers at its place, never
+part of a bar); the leave-one-out bars with their noise; memory against tokens/s for the
+trade-offs; each job's loss and tokens/s over the steps (a job not counted shows dashed and
+labelled); the step breakdown as stacked bars; the verdict and the count of jobs that shared
+the machine on the image itself.
 
 matplotlib's object API with the Agg canvas, as :mod:`perfrun.report.plot`.
 """
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 from typing import Any
 
+from perfrun.report.figures import contended_line, draw_apart, wrap
 from perfrun.report.metrics_file import train_records
 from perfrun.report.rows import Report, finite
 
 PHASES = ("data", "forward", "backward", "optimizer")
 
 
-def _curves(job: Path) -> tuple[list[int], list[float], list[float]]:
-    """steps, loss and tokens/s of the train records of ``job``'s metrics.jsonl (rows a
-    resume trained again dropped)."""
-    rows = [r for r in train_records(job) if finite(r.get("loss")) and finite(r.get("tokens_per_s"))]
-    return [int(r["step"]) for r in rows], [float(r["loss"]) for r in rows], [float(r["tokens_per_s"]) for r in rows]
+def _curves(job: Path) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
+    """(step, loss) and (step, tokens/s) of the train records of ``job``'s metrics.jsonl (rows
+    a resume trained again dropped)."""
+    rows = train_records(job)
+    return ([(int(r["step"]), float(r["loss"])) for r in rows if finite(r.get("loss"))],
+            [(int(r["step"]), float(r["tokens_per_s"])) for r in rows if finite(r.get("tokens_per_s"))])
 
 
 def _error(e: dict[str, Any]) -> list[float]:
@@ -30,31 +34,82 @@ def _error(e: dict[str, Any]) -> list[float]:
     return [med - lo, hi - med] if finite(lo) and finite(hi) and finite(med) else [0.0, 0.0]
 
 
-def _waterfall(ax: Any, a: dict[str, Any]) -> None:
-    """Each measured rung's bar starts where the rung below ended: the step is the knob's gain."""
-    rungs = [e for e in a["ladder"] if e["applicable"] and finite(e["tokens_per_s"])]
-    below = 0.0
+def _colour(first: bool, measurable: bool | None, gain: float) -> str:
+    """grey: the first bar; green/red: an effect outside the noise; olive: inside it; light
+    blue: unknown (a single run and no measured noise of the machine)."""
+    if first:
+        return "tab:gray"
+    return {True: "tab:green" if gain > 0 else "tab:red", False: "tab:olive"}.get(measurable, "lightsteelblue")  # type: ignore[arg-type]
+
+
+def _one_run(ax: Any, x: float, y: float, **kw: Any) -> None:
+    ax.annotate("1 run", (x, y), xytext=kw.pop("xytext", (0, 3)), textcoords="offset points", fontsize=7,
+                ha=kw.pop("ha", "center"), **kw)
+
+
+def _jobs_apart(report: Report, a: dict[str, Any], x_of: dict[str, float]) -> dict[str, list[tuple[float, float, str]]]:
+    """The ladder's jobs that do not stand (contended, outlier, failed) at their rung's place."""
+    outliers = {o["job"] for o in a.get("outliers", [])}
+    out: dict[str, list[tuple[float, float, str]]] = {"contended": [], "outlier": [], "failed": []}
+    for r in report.rows:
+        rung = r.ablation.get("rung")
+        if r.root != a["root"] or rung not in x_of or r.status == "skipped":
+            continue
+        y = r.tokens_per_s if finite(r.tokens_per_s) else 0.0
+        if r.status != "completed":
+            out["failed"].append((x_of[rung], y, f"{r.job}: {r.status}"))
+        elif r.contended:
+            out["contended"].append((x_of[rung], y, f"{r.job}: contended"))
+        elif r.job in outliers:
+            out["outlier"].append((x_of[rung], y, f"{r.job}: outlier"))
+    return out
+
+
+def _waterfall(ax: Any, report: Report, a: dict[str, Any]) -> None:
+    """Each measured rung's bar starts where the rung below ended: the step is the knob's gain;
+    a rung's jobs that do not stand are hollow markers at its place."""
+    rungs = [e for e in a["ladder"] if e["applicable"]]
+    below, first = 0.0, True
     for i, e in enumerate(rungs):
+        if not finite(e["tokens_per_s"]):
+            continue
         gain = e["tokens_per_s"] - below
-        colour = "tab:gray" if i == 0 else "tab:olive" if not e["vs_below_measurable"] else \
-            "tab:green" if gain > 0 else "tab:red"
-        ax.bar(i, gain, bottom=below, color=colour, yerr=[[x] for x in _error(e)], capsize=4)
-        below = e["tokens_per_s"]
+        ax.bar(i, gain, bottom=below, color=_colour(first, e["vs_below_measurable"], gain),
+               yerr=[[x] for x in _error(e)], capsize=4)
+        if e["n"] == 1:
+            _one_run(ax, i, e["tokens_per_s"])
+        below, first = e["tokens_per_s"], False
+    draw_apart(ax, _jobs_apart(report, a, {e["rung"]: i for i, e in enumerate(rungs)}))
     ax.set_xticks(range(len(rungs)), labels=[e["rung"] for e in rungs], rotation=30, ha="right", fontsize=8)
-    skipped = [e["rung"] for e in a["ladder"] if not e["applicable"] or not finite(e["tokens_per_s"])]
-    ax.set_title("ladder: tokens/s, each rung on the one below (olive: no measurable effect)" + (f"\n(not shown: {', '.join(skipped)})" if skipped
-                                                                     else ""), fontsize=9)
+    skipped = [e["rung"] for e in a["ladder"] if not e["applicable"]]
+    ax.set_title("ladder: tokens/s, each rung on the one below\n(green/red: outside the noise; olive: inside it; "
+                 "light blue: 1 run, effect unknown)" + (f"\nnot applicable here: {', '.join(skipped)}" if skipped else ""),
+                 fontsize=8)
     ax.set_ylabel("tokens/s (median, min-max bars)")
+    ax.set_ylim(bottom=0)
 
 
 def _leave_one_out(ax: Any, a: dict[str, Any]) -> None:
     rows = [e for e in a["leave_one_out"] if finite(e["vs_below"])]
-    ax.barh(range(len(rows)), [e["vs_below"] for e in rows],
-            color=["tab:red" if e["vs_below_measurable"] else "tab:gray" for e in rows])
+    ratios = [e["vs_below"] for e in rows]
+    err = [r * e["vs_below_noise_pct"] / 100 if finite(e["vs_below_noise_pct"]) else 0.0 for r, e in zip(ratios, rows, strict=True)]
+    ax.barh(range(len(rows)), ratios, xerr=err, capsize=3,
+            color=[_colour(False, e["vs_below_measurable"], e["vs_below"] - 1) for e in rows])
+    for i, e in enumerate(rows):
+        if e["n"] == 1 or e["vs_below_single"]:
+            _one_run(ax, e["vs_below"], i, xytext=(4, -3), ha="left")
     if rows:
         ax.axvline(1.0, color="black", linewidth=0.8)
     ax.set_yticks(range(len(rows)), labels=[f"without {e['knob']}" for e in rows], fontsize=8)
-    ax.set_title(f"leave-one-out: tokens/s against the top ({a['top']})\n(grey: no measurable effect)", fontsize=9)
+    said = {"green/red: outside the noise": any(e["vs_below_measurable"] for e in rows),
+            "olive: no measurable effect": any(e["vs_below_measurable"] is False and not e["vs_below_single"] for e in rows),
+            "olive: inside the machine's noise (1 run)": any(e["vs_below_measurable"] is False and e["vs_below_single"]
+                                                              for e in rows),
+            "light blue: 1 run, effect unknown": any(e["vs_below_measurable"] is None for e in rows)}
+    unranked = [e["rung"] for e in a["leave_one_out"] if e["applicable"] and not finite(e["vs_below"])]
+    legend = "; ".join(k for k, v in said.items() if v)
+    ax.set_title(f"leave-one-out: tokens/s against the top ({a['top']})" + (f"\n({legend})" if legend else "")
+                 + (f"\nnot ranked: {', '.join(unranked)}" if unranked else ""), fontsize=8)
 
 
 def _tradeoffs(ax: Any, a: dict[str, Any]) -> None:
@@ -68,18 +123,22 @@ def _tradeoffs(ax: Any, a: dict[str, Any]) -> None:
 
 
 def _over_steps(ax_loss: Any, ax_tps: Any, report: Report, a: dict[str, Any]) -> None:
+    outliers = {o["job"] for o in a.get("outliers", [])}
     for r in report.rows:
         if r.root != a["root"] or not r.ablation.get("rung"):
             continue
-        steps, loss, tps = _curves(report.paths[r.job])
-        style = "--" if r.contended else "-"
-        ax_loss.plot(steps, loss, linestyle=style, linewidth=0.8, label=f"{r.job} {r.ablation['rung']}")
-        ax_tps.plot(steps, tps, linestyle=style, linewidth=0.8)
+        loss, tps = _curves(report.paths[r.job])
+        apart = "contended" if r.contended else "outlier" if r.job in outliers else ""
+        style = "--" if apart else "-"
+        label = f"{r.job} {r.ablation['rung']}" + (f" ({apart})" if apart else "")
+        for ax, pts in ((ax_loss, loss), (ax_tps, tps)):
+            if pts:
+                ax.plot([p for p, _ in pts], [v for _, v in pts], linestyle=style, linewidth=0.8, label=label)
     ax_loss.set_title("train loss per job", fontsize=9)
-    ax_tps.set_title("tokens/s per job over the steps (dashed: contended)", fontsize=9)
+    ax_tps.set_title("tokens/s per job over the steps (dashed: contended or outlier, not counted)", fontsize=9)
     ax_loss.set_xlabel("step")
     ax_tps.set_xlabel("step")
-    if len(ax_loss.lines) <= 12:
+    if 0 < len(ax_loss.lines) <= 12:
         ax_loss.legend(fontsize=6)
 
 
@@ -117,14 +176,13 @@ def _empty(ax: Any) -> None:
         ax.set_yticks([])
 
 
-def ladder_png(report: Report, a: dict[str, Any]) -> bytes:
+def ladder_figure(report: Report, a: dict[str, Any]) -> Any:
     """The figure of one ladder (raises ImportError without matplotlib)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(15, 9), layout="constrained")
+    fig = Figure(figsize=(15, 9.5), layout="constrained")
     axes = fig.subplots(2, 3)
-    _waterfall(axes[0][0], a)
+    _waterfall(axes[0][0], report, a)
     _leave_one_out(axes[0][1], a)
     _tradeoffs(axes[0][2], a)
     _over_steps(axes[1][0], axes[1][1], report, a)
@@ -132,7 +190,8 @@ def ladder_png(report: Report, a: dict[str, Any]) -> bytes:
     for ax in axes.flat:
         _empty(ax)
     where = f" on {a['device_name']}" if a.get("device_name") else ""
-    fig.suptitle(f"perfrun ladder{where}" + (f" ({a['root']})" if a["root"] else ""), fontsize=11)
-    buf = io.BytesIO()
-    FigureCanvasAgg(fig).print_png(buf)
-    return buf.getvalue()
+    rows = [r for r in report.rows if r.root == a["root"] and r.ablation.get("rung")]
+    fig.suptitle(f"perfrun ladder{where}" + (f" ({a['root']})" if a["root"] else "") + "\n" + contended_line(rows),
+                 fontsize=11)
+    fig.supxlabel(wrap(a["verdict"], fig.get_figwidth()), fontsize=9)
+    return fig

@@ -14,9 +14,9 @@ from typing import Any
 METRICS = "metrics.jsonl"
 
 
-def train_records(job: Path) -> list[dict[str, Any]]:
-    """The ``train`` records of ``job``'s metrics.jsonl, one per step, in step order; empty
-    when there is no file."""
+def train_records(job: Path, kind: str = "train") -> list[dict[str, Any]]:
+    """The records of ``kind`` (``train``, ``eval``) of ``job``'s metrics.jsonl, one per step,
+    in step order; empty when there is no file."""
     try:
         lines = (Path(job) / METRICS).read_text().splitlines()
     except OSError:
@@ -31,6 +31,6 @@ def train_records(job: Path) -> list[dict[str, Any]]:
             continue
         if r.get("kind") == "start":
             by_step = {s: row for s, row in by_step.items() if s <= r["step"]}
-        elif r.get("kind") == "train":
+        elif r.get("kind") == kind:
             by_step[r["step"]] = r  # the same step again: the later record wins
     return [by_step[s] for s in sorted(by_step)]

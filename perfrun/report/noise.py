@@ -2,13 +2,19 @@
 (min-max), and a difference between two such figures is an effect only when their ranges do
 not overlap. Anything else is printed as "no measurable effect (±x %)", never as a speed-up.
 
+A figure measured once has no spread of its own. Where the machine's noise was measured in
+the same sweep (``floor_pct``: the same configuration run twice), a single run is given that
+noise around its figure, so a gap wider than the noise is an effect whatever the repeat count;
+one inside it is "inside the machine's noise", never "no measurable effect" (one run cannot
+show that). Without the machine's noise a single run's effect is unknown (None), not a tie.
+
 Pure maths over lists of numbers: the ladder, the runs table and ``perfrun tune`` share it.
 """
 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,7 +58,8 @@ class Effect:
 
     ratio: float | None
     noise_pct: float | None  # the two half-ranges together, as a share of b's median
-    measurable: bool | None  # None: a side ran once, so no spread is known
+    measurable: bool | None  # None: a side ran once and the machine's noise is not known
+    single: bool = False  # a side ran once: its range is the machine's noise, not its own spread
 
     def text(self) -> str:
         if self.ratio is None:
@@ -60,20 +67,54 @@ class Effect:
         if self.measurable is None:
             return f"{self.ratio:.2f}× (1 run: no spread)"
         if not self.measurable:
-            return f"no measurable effect (±{self.noise_pct:.1f}%)"
-        return f"{self.ratio:.2f}× (±{self.noise_pct:.1f}%)"
+            return (f"inside the machine's noise (±{self.noise_pct:.1f}%, 1 run)" if self.single
+                    else f"no measurable effect (±{self.noise_pct:.1f}%)")
+        return f"{self.ratio:.2f}× (±{self.noise_pct:.1f}%" + (", 1 run)" if self.single else ")")
 
 
-def effect(a: Spread, b: Spread) -> Effect:
-    """``a`` over ``b``. Measurable only when the two min-max ranges are disjoint: a smaller
-    difference is inside what the repeats of one configuration already vary by."""
+def _range(s: Spread, floor_pct: float | None) -> tuple[float, float] | None:
+    """The range ``s`` is known to within: its min-max, widened to the machine's noise where
+    that is larger; the machine's noise alone around a single run; None where neither is known."""
+    half = None if floor_pct is None else s.median * floor_pct / 100.0  # type: ignore[operator]
+    if s.n >= 2:
+        lo, hi = s.lo, s.hi
+        if half is not None:
+            lo, hi = min(lo, s.median - half), max(hi, s.median + half)  # type: ignore[operator]
+        return lo, hi  # type: ignore[return-value]
+    return None if half is None else (s.median - half, s.median + half)  # type: ignore[operator]
+
+
+def effect(a: Spread, b: Spread, floor_pct: float | None = None) -> Effect:
+    """``a`` over ``b``. Measurable only when the two ranges are disjoint (:func:`_range`: the
+    repeats' min-max, or the machine's noise ``floor_pct`` (± % of a median) where that is
+    wider or a side ran once): a smaller difference is inside what one configuration varies by."""
     if a.median is None or not b.median:
         return Effect(None, None, None)
     ratio = a.median / b.median
-    if a.n < 2 or b.n < 2:
-        return Effect(ratio, None, None)
-    noise = 100.0 * ((a.hi - a.lo) / 2 + (b.hi - b.lo) / 2) / b.median  # type: ignore[operator]
-    return Effect(ratio, noise, a.lo > b.hi or a.hi < b.lo)  # type: ignore[operator]
+    ra, rb = _range(a, floor_pct), _range(b, floor_pct)
+    single = a.n < 2 or b.n < 2
+    if ra is None or rb is None:
+        return Effect(ratio, None, None, single)
+    noise = 100.0 * ((ra[1] - ra[0]) / 2 + (rb[1] - rb[0]) / 2) / b.median
+    return Effect(ratio, noise, ra[0] > rb[1] or ra[1] < rb[0], single)
+
+
+#: A repeat whose tokens/s is this many times off the median of its rung's repeats
+#: (either way; with two repeats, the slower of a pair this far apart) is an outlier.
+OUTLIER_RATIO = 1.5
+
+
+def outliers(values: Sequence[float]) -> list[int]:
+    """Indices of the repeats far outside the others (:data:`OUTLIER_RATIO`). With two, only
+    the slower can be named: a neighbour slows a job down, nothing speeds one up."""
+    v = list(values)
+    if len(v) == 2:
+        lo, hi = (0, 1) if v[0] <= v[1] else (1, 0)
+        return [lo] if v[lo] > 0 and v[hi] / v[lo] > OUTLIER_RATIO else []
+    if len(v) < 3:
+        return []
+    mid = statistics.median(v)
+    return [i for i, x in enumerate(v) if x <= 0 or mid <= 0 or max(x / mid, mid / x) > OUTLIER_RATIO]
 
 
 def clear_winner(groups: dict[str, Spread]) -> str | None:

@@ -66,6 +66,8 @@ def read_row(job: Path, label: str, root_label: str) -> Row:
         return Row(label, root_label, _read_overrides(job), "unreadable", f"summary.json: {e}", **empty)
     status = str(s.get("status", "unknown"))
     reason = s.get("reason")
+    if status == "interrupted":  # stopped on a signal (Ctrl-C, SIGTERM): not a failure; resume=auto goes on
+        status = "stopped"
     if status not in ("completed", "failed") and reason is None:
         reason = "the job stopped without finishing (interrupted or crashed; see its train.log)"
     env = s.get("environment") or {}

@@ -178,7 +178,8 @@ def sections(report: Report) -> list[Section]:
         if a["tradeoffs"]:
             out.append(Section(f"memory trade-offs{where}: the top rung with each setting, apart from speed",
                                TRADEOFF_COLUMNS, a["tradeoffs"], lambda t: None,
-                               "largest batch: dataloader.batch_size=auto (on a CPU within its tensor budget)"))
+                               "largest batch: dataloader.batch_size=auto (on a CPU within its tensor budget)"
+                               + "".join(f" · {t['memory_verdict']}" for t in a["tradeoffs"] if t.get("memory_verdict"))))
     return out
 
 
@@ -200,7 +201,17 @@ def header(report: Report) -> list[str]:
     lines += [f"finished: {when}"] if when else []
     lines += [f"command: perfrun train {'-m ' if len(rows) > 1 else ''}{' '.join([*common, *swept])}".rstrip()]
     lines += [f"from: {folders}"]
+    lines += [model_line(a["model"]) for a in report.ladders if a.get("model")]
     return lines
+
+
+def model_line(m: dict[str, Any]) -> str:
+    """Which model a ladder measured: its name, size, and FLOPs per token with their source."""
+    name = m["name"] + (f" ({m['target']})" if m.get("target") else "")
+    params = f"{m['params'] / 1e6:,.2f}M parameters" if m.get("params") else "parameters not recorded"
+    flops = (f"{m['flops_per_token'] / 1e6:,.2f}M FLOPs per token ({m['flops_per_token_source']})"
+             if m.get("flops_per_token") else "FLOPs per token not recorded")
+    return f"model: {name}, {params}, {flops}"
 
 
 def notes(report: Report) -> list[str]:

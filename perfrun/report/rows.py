@@ -20,7 +20,7 @@ class Row:
     job: str  # its dir relative to the sweep dir (prefixed by the root when several are given)
     root: str  # the directory the user named, when several were given; "" for one
     overrides: list[str]
-    status: str  # completed | failed | missing | unreadable | running (stopped without finishing)
+    status: str  # completed | failed | skipped | stopped (a signal) | missing | unreadable | running
     reason: str | None
     tokens_per_s: float | None  # median over the steady steps
     mfu: float | None  # fraction of the peak

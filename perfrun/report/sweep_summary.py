@@ -1,5 +1,5 @@
 """The files a sweep leaves in its folder when it ends (written by the Hydra callback,
-:class:`perfrun.report.sweep_callback.SweepSummary`): CSV, JSON and PNG, from the same :func:`load` and
+:class:`perfrun.commands.sweep_callback.SweepSummary`): CSV, JSON and PNG, from the same :func:`load` and
 renderers as ``perfrun report``, so the report of a sweep dir reproduces them byte for byte."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from pathlib import Path
 from rich.console import Console
 
 from perfrun.checkpoint.atomic import atomic_write
+from perfrun.report.memory_plot import MEMORY_PNG, memory_png
 from perfrun.report.plot import plot_or_warn
 from perfrun.report.reading import load
 from perfrun.report.render import print_report, to_csv, to_json
@@ -27,8 +28,11 @@ def write_sweep_summary(sweep_dir: Path, console: Console | None = None) -> Repo
     png = plot_or_warn(report)
     if png is not None:
         atomic_write(sweep_dir / SWEEP_PNG, png)
+    memory = [p for p in map(memory_png, report.ladders) if p is not None][:1]  # the first ladder's
+    if memory:
+        atomic_write(sweep_dir / MEMORY_PNG, memory[0])
     print_report(report, console)
-    written = [SWEEP_CSV, SWEEP_JSON] + ([SWEEP_PNG] if png is not None else [])
+    written = [SWEEP_CSV, SWEEP_JSON] + ([SWEEP_PNG] if png is not None else []) + ([MEMORY_PNG] if memory else [])
     (console or Console(highlight=False, soft_wrap=True)).print(
         f"sweep summary: {', '.join(str(sweep_dir / n) for n in written)}", markup=False, highlight=False)
     return report

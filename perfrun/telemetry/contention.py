@@ -6,6 +6,10 @@ checked on planted figures:
 - :func:`assess`: the ``contended`` verdict of one job, with its evidence. A comparison
   between jobs (ladder, sweep, tune) must not rank a job that shared its machine: its
   tokens/s measure the neighbour as much as the knob.
+- :class:`LoadMeter`: the figures :func:`assess` needs when the monitor's thread is off
+  (``monitor.every_n_steps=0``): the machine's and this process's CPU time against the wall
+  clock, and the interval step times, read at the step metrics' log points, so that every
+  job is assessed and none counts as quiet for want of a monitor.
 - :func:`gpu_starved_pct`: the share of the step during which the GPU sat idle waiting for
   the next batch, from device-timed waits around the hand-off of each batch.
 """
@@ -15,8 +19,11 @@ from __future__ import annotations
 import logging
 import os
 import statistics
+import time
 from collections.abc import Sequence
 from typing import Any
+
+from perfrun.telemetry.host import HostSampler, HostSnapshot
 
 log = logging.getLogger("perfrun")
 
@@ -49,8 +56,9 @@ def usable_cpus() -> int:
 def assess(monitor: dict[str, Any], cpus: int | None = None) -> dict[str, Any]:
     """The ``contention`` block of summary.json from the monitor's run figures.
 
-    ``monitor``: :meth:`Monitor.summary` (host busy %, this process's and its workers' CPU,
-    other GPU processes, interval step times); ``cpus``: the cores this process may use
+    ``monitor``: :meth:`Monitor.summary` or, with the monitor off, :meth:`LoadMeter.figures`
+    (host busy %, this process's and its workers' CPU, other GPU processes, interval step
+    times); ``cpus``: the cores this process may use
     (default: its affinity).
     Contended when any of: other processes held CPU while the machine had no idle core to
     spare; another process computed on the same GPU; interval step times spread by more
@@ -86,6 +94,58 @@ def assess(monitor: dict[str, Any], cpus: int | None = None) -> dict[str, Any]:
         "rule": (f"contended when other processes used >= {OTHERS_CPU_PCT:.0f}% CPU while < {IDLE_CPU_PCT:.0f}% "
                  f"stayed idle, another process used the GPU, or interval step times spread > {STEP_SPREAD_FACTOR}x"),
     }
+
+
+class LoadMeter:
+    """The host's CPU and the interval step times at the log points, without a thread.
+
+    Per log point it reads a few counters (the machine's /proc/stat, this process's and its
+    DataLoader workers' CPU times: tens of microseconds); finding new workers scans /proc
+    (about a millisecond), so it happens at the first log point and then at most every
+    :data:`SCAN_PERIOD_S`. :meth:`figures` gives the keys :func:`assess` reads.
+    """
+
+    SCAN_PERIOD_S = 10.0
+
+    def __init__(self) -> None:
+        self.host = HostSampler()
+        self._start = self.host.snapshot()
+        self._last_scan: float | None = None
+        self._ends: list[tuple[int, HostSnapshot]] = []  # (steps done, counters) at each log point
+        self._step_times: list[tuple[int, float]] = []  # (first step index, mean step time s)
+
+    def start(self) -> None:
+        """Counting starts with the loop (after setup and resume)."""
+        self._start = self.host.snapshot()
+        self._ends, self._step_times = [], []
+
+    def interval(self, first: int, done: int, step_time_s: float) -> None:
+        """Steps ``first..done-1`` (local indices) just ended, ``step_time_s`` each on average."""
+        now = time.monotonic()
+        if self._last_scan is None or now - self._last_scan > self.SCAN_PERIOD_S:
+            self.host.scan_children()
+            self._last_scan = now
+        self._ends.append((done, self.host.snapshot()))
+        self._step_times.append((first, step_time_s))
+
+    def figures(self, warmup: int) -> dict[str, Any]:
+        """Means over the intervals after the warm-up (the whole loop when none is after it):
+        ``host_cpu_pct_mean``, ``proc_cpu_pct_mean``, ``workers_cpu_pct_mean`` and the steady
+        ``interval_step_times_s``, as the monitor's summary names them."""
+        if not self._ends:
+            return {}
+        before = next((snap for done, snap in reversed(self._ends) if done <= warmup), self._start)
+        if before is self._ends[-1][1]:
+            before = self._start
+        cpu = self.host.delta(before, self._ends[-1][1])
+        return {"method": "CPU time against the wall clock at the log points (monitor off)",
+                "host_cpu_pct_mean": _round(cpu.host_cpu_pct), "proc_cpu_pct_mean": _round(cpu.proc_cpu_pct),
+                "workers_cpu_pct_mean": _round(cpu.workers_cpu_pct),
+                "interval_step_times_s": [t for first, t in self._step_times if first >= warmup and t > 0]}
+
+
+def _round(v: float | None) -> float | None:
+    return None if v is None else round(v, 1)
 
 
 def say(verdict: dict[str, Any]) -> None:

@@ -264,7 +264,7 @@ def job_names(cfg: TrainConfig, run_dir: Path | None, sweep_args: Sequence[str] 
 
 def swept_values(job_overrides: list[str], sweep_args: Sequence[str]) -> list[str]:
     """The job's overrides that its sweep varies: those the sweep's command line does not
-    fix to one value (``seed=1,2`` there, ``seed=1`` here; ``+ablation=bf16`` from a preset)."""
+    fix to one value (``seed=1,2`` there, ``seed=1`` here; ``+ablation=bf16`` from the ladder)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     parser = OverridesParser.create()

@@ -53,6 +53,9 @@ class JsonlSink:
             self._f = None
 
 
+# rich's default (10 redraws a second) took 12 ms of CPU a second in its drawing thread, under the GIL
+# the step's Python waits for; 2 a second took 4 ms (scripts/bench_side_threads.py, BENCHMARKS.md)
+PROGRESS_REFRESH_PER_S = 2
 TIME_FORMAT = "%H:%M:%S"  # every console line, Hydra's own included: "06:12:01 message"
 TIME_WIDTH = len("00:00:00 ")
 
@@ -156,12 +159,25 @@ def data_figure(r: dict[str, Any]) -> str:
     return "host wait n/a" if wait is None else f"host wait {wait:.1f}%"
 
 
+def window_figure(r: dict[str, Any]) -> str:
+    """The log point's tokens/s over its window's steady steps (the warm-up steps, which the
+    done line's median leaves out, are left out here too); ``warm-up`` for a window of none."""
+    if "steady_tokens_per_s" not in r:  # a record without it: the whole window
+        return f"{si(r['tokens_per_s'])} tok/s"
+    return "warm-up" if r["steady_tokens_per_s"] is None else f"{si(r['steady_tokens_per_s'])} tok/s"
+
+
+# said once when a job's progress starts: which tokens/s each figure is
+PROGRESS_LEGEND = ("tok/s while training: the steady steps since the previous line (warm-up steps left out); "
+                   "done: the median of all the steady steps")
+
+
 def step_line(r: dict[str, Any], width: int, gpu: list[str] | None = None) -> str:
     """The log point as one line of at most ``width`` characters: step, loss, tokens/s,
     MFU (or the data wait where MFU is n/a) and memory always; then, while they fit, the
     GPU's figures, the data wait, the step time, the learning rate, the gradient norm."""
     wait = data_figure(r)
-    parts = [f"step {r['step']}/{r['max_steps']}", f"loss {r['loss']:.3f}", f"{si(r['tokens_per_s'])} tok/s",
+    parts = [f"step {r['step']}/{r['max_steps']}", f"loss {r['loss']:.3f}", window_figure(r),
              f"MFU {percent(100 * r['mfu'])}" if r.get("mfu") is not None else wait]
     if r.get("peak_mem_mib") is not None:
         parts.append(f"mem {mib(r['peak_mem_mib'])}")
@@ -205,11 +221,13 @@ class ConsoleReporter:
         self._slowdown: list[str] = []
 
     def __enter__(self) -> ConsoleReporter:
+        if self.mode != "off":
+            log.info(PROGRESS_LEGEND)
         if self.mode == "bar":
             self._progress = Progress(
                 TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
                 TextColumn("{task.fields[live]}"), TimeElapsedColumn(), TimeRemainingColumn(),
-                console=self.console, transient=False,
+                console=self.console, transient=False, refresh_per_second=PROGRESS_REFRESH_PER_S,
             )
             self._progress.start()
             self._task = self._progress.add_task("train", total=self.max_steps, live="")
@@ -225,7 +243,10 @@ class ConsoleReporter:
             return
         self._flush()
         if self._progress is not None:
-            live = f"loss {record['loss']:.3f} | {record['tokens_per_s']:,.0f} tok/s"
+            n, steady = record.get("steady_steps_in_interval"), record.get("steady_tokens_per_s")
+            figure = (f"{record['tokens_per_s']:,.0f} tok/s" if n is None else
+                      f"{steady:,.0f} tok/s (last {n} steps)" if steady is not None else "warm-up")
+            live = f"loss {record['loss']:.3f} | {figure}"
             self._progress.update(self._task, completed=record["step"], live=live)
         step = record["step"]
         if self.monitor_every and step % self.monitor_every == 0 and self._gpu[0] != step:

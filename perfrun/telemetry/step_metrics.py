@@ -23,7 +23,7 @@ import torch
 
 from perfrun import distributed
 from perfrun.summary import RunSummary
-from perfrun.telemetry.contention import gpu_starved_pct
+from perfrun.telemetry.contention import LoadMeter, gpu_starved_pct
 from perfrun.telemetry.monitor import Monitor
 from perfrun.telemetry.sinks import ConsoleReporter, RecordSink
 
@@ -219,6 +219,7 @@ class StepMetrics:
         self.gpu_wait_ms: list[float] | None = None
         self.timer, self.phases, self.memory = StepTimer(device), PhaseTimer(device), MemoryTracker(device)
         self.monitor: Monitor | None = None
+        self.load: LoadMeter | None = None  # the host's CPU at log points when the monitor is off
         self.host_wall: list[float] = []  # per step of this process, index = step - start_step - 1
         self.data_wait: list[float] = []
         self.loss_sum = torch.zeros((), device=device)
@@ -230,6 +231,8 @@ class StepMetrics:
         self.last_val_loss: float | None = None
         self.first_step_s: float | None = None
         self._loop_t0 = self._step_t0 = 0.0
+        self.untimed: set[int] = set()  # local indices of steps kept out of the speed figures (a tracked step)
+        self.extra: RunSummary = {}  # figures other parts of the loop add to the summary (memory.breakdown)
 
     def start_monitor(self, cfg_monitor: Any, device: torch.device, stack: ExitStack) -> None:
         """NVML and host sampling in a background thread, when ``monitor.every_n_steps`` > 0."""
@@ -237,6 +240,8 @@ class StepMetrics:
             self.monitor = Monitor(device, cfg_monitor)
             self.monitor.start()
             stack.callback(self.monitor.close)
+        else:
+            self.load = LoadMeter()
 
     def start(self, step: int) -> None:
         """The loop starts after ``step`` steps (a resumed run's, whose tokens
@@ -244,6 +249,8 @@ class StepMetrics:
         self.start_step, self.tokens = step, self.start_tokens
         self.memory.reset()
         self._loop_t0 = time.perf_counter()
+        if self.load is not None:
+            self.load.start()
         self.timer.start()
 
     def begin_step(self) -> None:
@@ -265,6 +272,10 @@ class StepMetrics:
             self.timer.flush()
             self.first_step_s = time.perf_counter() - self._loop_t0
         self.reporter.advance(step)
+
+    def keep_out_of_speed(self, step: int) -> None:
+        """Step ``step`` runs slower on purpose (under the memory tracker): no speed figure counts it."""
+        self.untimed.add(step - self.start_step - 1)
 
     @property
     def tokens_done(self) -> int:
@@ -293,12 +304,17 @@ class StepMetrics:
         self.train_time += interval_time
         self.tokens += interval_tokens
         tokens_per_s = self.throughput.tokens_per_s(interval_time, n)
+        if self.load is not None:
+            self.load.interval(first, done, interval_time / n)
         self.last_train_loss = distributed.mean_over_ranks(self.loss_sum).item() / n  # the global batch's loss
         wall = sum(self.host_wall[first:done])
+        steady = self.timer.durations[max(first, self.config.warmup_steps):done]  # as the summary's median: no warm-up
         record = {
             "kind": "train", "step": step, "max_steps": self.config.max_steps, "loss": self.last_train_loss,
             "lr": self.lr(), "grad_norm": self.grad_norm.item(),
             "step_time_ms": 1000 * interval_time / n, "tokens_per_s": tokens_per_s,
+            "steady_tokens_per_s": self.throughput.tokens_per_s(sum(steady), len(steady)) if steady else None,
+            "steady_steps_in_interval": len(steady),
             "mfu": self.throughput.mfu(tokens_per_s),
             "host_data_wait_pct": 100 * sum(self.data_wait[first:done]) / wall if wall > 0 else 0.0,
             "gpu_starved_pct": self._gpu_starved_pct(first, done, interval_time),
@@ -352,7 +368,8 @@ class StepMetrics:
         """The job's figures: medians over the steady steps (after ``warmup_steps``)."""
         self.timer.flush()
         warmup, durations = self.config.warmup_steps, self.timer.durations
-        steady, steady_wall = durations[warmup:], self.host_wall[warmup:]
+        steady = [d for i, d in enumerate(durations) if i >= warmup and i not in self.untimed]
+        steady_wall = [w for i, w in enumerate(self.host_wall) if i >= warmup and i not in self.untimed]
         if not steady:
             log.warning(f"no steady-state steps: all {len(durations)} steps ran within timing_warmup_steps={warmup}, "
                         "so the summary has no tokens/s or MFU; raise max_steps or lower timing_warmup_steps")
@@ -367,7 +384,8 @@ class StepMetrics:
             "tokens_per_s_per_rank_median": tokens_per_s / throughput.world if tokens_per_s else None,
             "world_size": throughput.world, "mfu_median": throughput.mfu(tokens_per_s) if tokens_per_s else None,
             "peak_mem_mib": self.memory.peak_mib(), "peak_mem_source": self.memory.source,
-            "host_data_wait_pct": (100 * sum(self.data_wait[warmup:]) / sum(steady_wall)
+            "host_data_wait_pct": (100 * sum(w for i, w in enumerate(self.data_wait) if i >= warmup and i not in self.untimed)
+                                   / sum(steady_wall)
                               if steady_wall and sum(steady_wall) > 0 else None),
             "gpu_starved_pct": self._gpu_starved_pct(warmup, len(durations), sum(steady)),
             "compile_s_estimate": (self.first_step_s - med) if (self.compiled and self.first_step_s and med) else None,
@@ -376,6 +394,9 @@ class StepMetrics:
         }
         if self.monitor is not None:
             result.update(self._monitor_summary())
+        if self.load is not None:
+            result["host_load"] = self.load.figures(warmup)
+        result.update(self.extra)
         return result
 
     def _monitor_summary(self) -> RunSummary:

@@ -1,0 +1,132 @@
+"""``perfrun estimate [overrides]``: the memory a training configuration will need, before
+anything runs (:mod:`perfrun.loop.memory.estimate`: the run's model, knobs, optimizer, loss and
+batch under fake tensors, two steps under torch's memory tracker, nothing allocated).
+
+A Hydra app over the trainer's configuration (conf/estimate.yaml lists train first, so
+every ``perfrun train`` override works here) with its own keys under ``estimate``. It
+prints the expected peak by category and module, whether it fits ``memory.size`` (default
+the visible GPU's memory), the largest batch that fits, and for a configuration that does
+not fit, which knob would make it fit and by how much. Everything printed is an estimate.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from perfrun.commands.hydra_app import HydraCommand
+from perfrun.config import ConfigError, TrainConfig
+from perfrun.console import error
+from perfrun.validate import validate
+
+CAP = 4096  # the largest batch the search tries
+
+
+@dataclass
+class EstimateOptions:
+    """``perfrun estimate``'s own keys (``estimate.KEY=VALUE``)."""
+
+    json: bool = field(default=False, metadata={"help": "print the estimate as one JSON document on stdout"})
+    top: int = field(default=10, metadata={"help": "modules listed, those holding most first"})
+    fit: bool = field(default=True, metadata={"help": "find the largest batch that fits and, when it does not "
+                                                      "fit, the knob that would (more estimates)"})
+    out: str | None = field(default=None, metadata={"help": "also write the JSON document to this file"})
+
+
+@dataclass
+class EstimateJobConfig(TrainConfig):
+    """The trainer's configuration and the estimate's own keys."""
+
+    estimate: EstimateOptions = field(default_factory=EstimateOptions)
+
+
+class EstimateCommand(HydraCommand):
+    def register(self) -> None:
+        """Train's keys come from conf/train.yaml as train composes them; the schema types
+        only ``estimate`` (train's fields left MISSING keep what train chose, as tune does)."""
+        from hydra.core.config_store import ConfigStore
+        from omegaconf import MISSING, OmegaConf
+
+        from perfrun.commands.hydra_app import keys_help
+        from perfrun.config import register_configs
+
+        register_configs()
+        node = OmegaConf.structured(EstimateJobConfig)
+        for f in fields(TrainConfig):
+            node[f.name] = MISSING
+        ConfigStore.instance().store(name="estimate_schema", node=node)
+        text = keys_help(EstimateOptions)
+        OmegaConf.register_new_resolver("perfrun_keys", lambda: text, replace=True)
+
+
+def run(cfg: EstimateJobConfig) -> int:
+    """The estimate of ``cfg``: 0 printed (fitting or not), 1 when it cannot be made, 2 for a config error."""
+    from perfrun.loop.memory.estimate import EstimateError
+
+    try:
+        validate(replace(cfg, nproc=1))  # nproc ranks are estimated here, not started (no torchrun to check)
+        document, lines = _estimate(cfg)
+    except ConfigError as e:
+        error(str(e))
+        return 2
+    except EstimateError as e:
+        error(str(e))
+        return 1
+    text = json.dumps(document, indent=2)
+    if cfg.estimate.out:
+        Path(cfg.estimate.out).write_text(text + "\n", encoding="utf-8")
+    print(text if cfg.estimate.json else "\n".join(lines), file=sys.stdout)
+    return 0
+
+
+def vocab_of(cfg: Any) -> int:
+    """The run's vocabulary, as setup finds it (the data source says it)."""
+    from perfrun.data import build_datasets
+
+    return int(build_datasets(cfg.data, int(cfg.data.seq_len or cfg.model.block_size), cfg.seed).vocab_size)
+
+
+def _estimate(cfg: EstimateJobConfig) -> tuple[dict[str, Any], list[str]]:
+    from perfrun.loop.memory.estimate import estimate
+    from perfrun.loop.memory.fit import advice, gib, largest_batch, memory_limit, what_fits
+    from perfrun.loop.memory.report import describe, fit_line
+
+    if cfg.dataloader.batch_size == "auto":
+        raise ConfigError("dataloader.batch_size=auto: the estimate needs a batch size; give one "
+                          "(the estimate then says the largest that fits)")
+    vocab = vocab_of(cfg)
+    e = estimate(cfg, vocab, top=cfg.estimate.top)
+    lines = describe(cfg, e)
+    limit, where = memory_limit(cfg.memory.size)
+    doc: dict[str, Any] = {**e.to_dict(), "config": _knobs(cfg), "memory_limit_bytes": limit, "memory_limit_source": where}
+    largest = None
+    if limit is not None and cfg.estimate.fit:
+        largest = largest_batch(lambda b: estimate(cfg, vocab, batch_size=b, top=0).peak_bytes, limit, cap=CAP)
+        doc["largest_batch"] = {"batch_size": largest[0], "estimates": largest[1], "cap": CAP}
+    lines.append(fit_line(e, limit, where, largest, CAP))
+    if limit is not None:
+        doc["fits"] = e.peak_bytes <= limit
+        if e.peak_bytes > limit and cfg.estimate.fit:
+            fixes = what_fits(cfg, vocab, limit)
+            doc["knobs"] = [vars(f) for f in fixes]
+            lines.append("  " + advice(e, limit, where, fixes))
+            lines += [f"    {f.overrides:<48} {'fits' if f.fits else 'no':>4}  "
+                      + (f.error if f.error else f"peak {gib(f.peak_bytes)}") for f in fixes]
+    return doc, lines
+
+
+def _knobs(cfg: Any) -> dict[str, Any]:
+    return {"model": cfg.model.name, "batch_size": cfg.dataloader.batch_size, "accumulation": cfg.accumulation.steps,
+            "precision": cfg.precision.name, "checkpointing": cfg.checkpointing.name, "loss": cfg.loss.name,
+            "compile": cfg.compile, "distributed": cfg.distributed, "nproc": cfg.nproc}
+
+
+COMMAND = EstimateCommand("estimate", EstimateJobConfig, run)
+
+
+def main(argv: list[str]) -> int:
+    """``perfrun estimate KEY=VALUE...``: 0 estimated, 1 it cannot be, 2 a user's mistake."""
+    return COMMAND.main(argv)

@@ -1,0 +1,241 @@
+"""How long a sweep will take, before it starts and while it runs.
+
+Before a ladder (``+sweep=ablation``) starts, each distinct kind of rung (precision x
+compile) trains a few steps on this device; from those, every job's wall time is estimated,
+printed and written to ``sweep_estimate.json`` in the sweep dir. A rung whose step is far
+slower than the naive trainer's (bf16 autocast on a CPU without bf16 units) gets a time
+budget instead of the full step count, and where the whole ladder would overrun
+``ablation.target_s`` every job shares one budget. The jobs read their budget from that file
+(:func:`budget_for`), so a launcher that runs jobs elsewhere changes nothing. After each
+job, :class:`Eta` prints done/total, the elapsed time and an estimate of the rest.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from perfrun.config import TrainConfig
+
+log = logging.getLogger("perfrun")
+
+ESTIMATE_FILE = "sweep_estimate.json"
+CALIBRATION_STEPS = 4  # 1 warm-up step and 3 timed ones per rung kind
+SLOW_FACTOR = 4.0  # a kind whose step is this many times the naive trainer's is measured within a budget
+
+
+def kind_of(cfg: TrainConfig | DictConfig) -> str:
+    """What sets a rung's step time apart by far: its precision and whether it compiles."""
+    compiled = f"compile:{cfg.compile_options.mode}" if cfg.compile else "eager"
+    return f"{cfg.precision.name}/{compiled}"
+
+
+def sweep_jobs(config: DictConfig) -> list[list[str]]:
+    """The sweep's jobs, as Hydra's basic sweeper will expand them: one override list each."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    params = OmegaConf.select(config, "hydra.sweeper.params") or {}
+    given = [f"{k}={v}" for k, v in params.items()] + list(OmegaConf.select(config, "hydra.overrides.task") or [])
+    parsed = OverridesParser.create().parse_overrides(given)
+    return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+
+
+def is_ladder(jobs: list[list[str]]) -> bool:
+    return any(o.lstrip("+").startswith("ablation=") for job in jobs for o in job)
+
+
+@dataclass
+class Timing:
+    """One rung kind's calibration: setup, first step, steady step and evaluation seconds."""
+
+    setup_s: float
+    first_step_s: float
+    step_s: float
+    eval_s: float
+
+    def job_s(self, steps: int, budget_s: float | None) -> float:
+        train = self.first_step_s + max(steps - 1, 0) * self.step_s
+        if budget_s is not None:
+            from perfrun.loop.budget import MIN_STEADY_STEPS
+
+            floor = self.first_step_s + MIN_STEADY_STEPS * self.step_s
+            train = min(train, max(budget_s, floor))
+        return self.setup_s + train + self.eval_s
+
+
+@dataclass
+class SweepPlan:
+    """Every job's kind and steps, the kinds' timings and budgets, and the estimate."""
+
+    kinds: list[str | None]  # per job; None: a rung skipped on this device
+    steps: list[int]
+    calibration_s: float = 0.0  # spent before the first job: the target's share left to the jobs is less by this
+    timings: dict[str, Timing] = field(default_factory=dict)
+    budgets: dict[str, float] = field(default_factory=dict)
+    why: dict[str, str] = field(default_factory=dict)
+
+    def job_s(self, i: int) -> float:
+        kind = self.kinds[i]
+        if kind is None or kind not in self.timings:
+            return 0.0
+        return self.timings[kind].job_s(self.steps[i], self.budgets.get(kind))
+
+    def total_s(self) -> float:
+        return sum(self.job_s(i) for i in range(len(self.kinds)))
+
+
+def _calibrate(cfg: DictConfig) -> Timing:
+    """A few steps of ``cfg`` on this device, in a folder of its own that is then removed."""
+    from perfrun.loop.run import run
+
+    short = OmegaConf.merge(cfg, {"max_steps": CALIBRATION_STEPS, "timing_warmup_steps": 1, "progress": "off",
+                                  "monitor": {"every_n_steps": 0}, "eval_every": 0, "eval_batches": 1,
+                                  "checkpoint": {"at_end": False, "every_n_steps": 0}, "resume": None,
+                                  "logger": {"name": "none"}, "ablation": {"budget_s": None}})
+    with tempfile.TemporaryDirectory(prefix="perfrun-calibration-") as tmp:
+        s = run(short, Path(tmp))
+    step_s = (s.get("step_time_ms_median") or 0.0) / 1000
+    train_s = float(s.get("train_time_s") or 0.0)
+    wall = float(s.get("wall_s") or 0.0)
+    setup = float(s.get("setup_s") or 0.0)
+    return Timing(setup_s=setup, first_step_s=float(s.get("first_step_s") or step_s), step_s=step_s,
+                  eval_s=max(wall - setup - train_s, 0.0))
+
+
+def make_plan(config: DictConfig, jobs: list[list[str]]) -> SweepPlan:
+    """Compose each distinct rung, calibrate each kind once, and budget the slow kinds."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    from perfrun.device_conditions import rung_applies
+
+    loader = GlobalHydra.instance().config_loader()
+    composed: dict[tuple[str, ...], DictConfig] = {}
+    kinds: list[str | None] = []
+    steps: list[int] = []
+    for job in jobs:
+        key = tuple(o for o in job if not o.startswith("repeat="))
+        if key not in composed:
+            job_cfg = loader.load_sweep_config(config, list(job))
+            with open_dict(job_cfg):  # the job's own config, as Hydra hands it to the task
+                del job_cfg["hydra"]
+            composed[key] = job_cfg
+        cfg = composed[key]
+        applies = rung_applies(str(cfg.ablation.acts_on), str(cfg.device))
+        kinds.append(kind_of(cfg) if applies else None)
+        steps.append(int(cfg.max_steps))
+    plan = SweepPlan(kinds, steps)
+    first_of = {}
+    for cfg in composed.values():
+        if rung_applies(str(cfg.ablation.acts_on), str(cfg.device)):
+            first_of.setdefault(kind_of(cfg), cfg)
+    t0 = time.perf_counter()
+    for kind, cfg in first_of.items():
+        log.info(f"sweep: calibrating {kind} ({CALIBRATION_STEPS} steps of rung {cfg.ablation.rung})")
+        plan.timings[kind] = _calibrate(cfg)
+    plan.calibration_s = time.perf_counter() - t0
+    set_budgets(plan, config)
+    return plan
+
+
+def set_budgets(plan: SweepPlan, config: Any) -> None:
+    """Slow kinds: a budget of the naive trainer's training time; over ``ablation.target_s``:
+    one budget for every kind, the largest that fits. ``ablation.budget_s`` given: none here."""
+    if OmegaConf.select(config, "ablation.budget_s") is not None:
+        return
+    naive = plan.timings.get(next((k for k in plan.kinds if k and k.startswith("none/eager")), ""), None)
+    steps = max(plan.steps, default=0)
+    if naive is not None and naive.step_s > 0:
+        for kind, t in plan.timings.items():
+            ratio = t.step_s / naive.step_s
+            if ratio >= SLOW_FACTOR:
+                plan.budgets[kind] = round(max(steps * naive.step_s, 1.0), 1)
+                plan.why[kind] = f"its step is {ratio:.0f}x the naive trainer's on this device"
+    target = OmegaConf.select(config, "ablation.target_s")
+    if target is None or plan.total_s() <= target - plan.calibration_s:
+        return
+    asked, target = target, target - plan.calibration_s
+    slow = dict(plan.budgets)
+
+    def total_with(shared: float) -> float:
+        plan.budgets = {k: min(slow.get(k, shared), shared) for k in plan.timings}
+        return plan.total_s()
+
+    low, high = 1.0, max((t.first_step_s + max(plan.steps) * t.step_s for t in plan.timings.values()), default=1.0)
+    for _ in range(30):  # bisection on the one budget every kind shares
+        mid = (low + high) / 2
+        low, high = (mid, high) if total_with(mid) <= target else (low, mid)
+    total_with(round(low, 1))
+    for k in plan.timings:
+        plan.why.setdefault(k, f"the ladder would overrun ablation.target_s={asked:g}")
+
+
+def budget_for(sweep_dir: Path, cfg: TrainConfig) -> tuple[float, str] | None:
+    """The budget the sweep's plan gives this job's kind, and why; None when it has none."""
+    try:
+        data = json.loads((sweep_dir / ESTIMATE_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    kind = kind_of(cfg)
+    budget = (data.get("budgets") or {}).get(kind)
+    return (float(budget), str((data.get("why") or {}).get(kind, ""))) if budget is not None else None
+
+
+def earlier_estimate(sweep_dir: Path, jobs: int) -> dict[str, Any] | None:
+    """The estimate a sweep dir already holds for the same number of jobs (a resumed sweep)."""
+    try:
+        data = json.loads((sweep_dir / ESTIMATE_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    ok = isinstance(data, dict) and data.get("jobs") == jobs and len(data.get("per_job_s") or []) == jobs
+    return data if ok else None
+
+
+def write_estimate(sweep_dir: Path, plan: SweepPlan, calibration_s: float) -> dict[str, Any]:
+    from perfrun.checkpoint.atomic import write_json
+
+    data = {"jobs": len(plan.kinds), "skipped_jobs": sum(1 for k in plan.kinds if k is None),
+            "estimate_s": plan.total_s(), "calibration_s": calibration_s,
+            "per_job_s": [plan.job_s(i) for i in range(len(plan.kinds))], "kinds": plan.kinds,
+            "timings": {k: vars(t) for k, t in plan.timings.items()}, "budgets": plan.budgets, "why": plan.why,
+            "method": f"{CALIBRATION_STEPS} steps of each rung kind (precision/compile) on this device, "
+                      "scaled to each job's steps or budget"}
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    write_json(sweep_dir / ESTIMATE_FILE, data)
+    return data
+
+
+def duration(seconds: float) -> str:
+    m, s = divmod(int(round(seconds)), 60)
+    h, m = divmod(m, 60)
+    return f"{h}h{m:02d}m" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
+
+
+class Eta:
+    """After each job: done/total, elapsed, and the rest estimated from the plan (scaled by
+    how the jobs so far compared with it) or, without one, from the mean job so far."""
+
+    def __init__(self, total: int, per_job_s: list[float] | None) -> None:
+        self.total, self.per_job_s = total, per_job_s
+        self.done: set[int] = set()
+        self.t0 = time.perf_counter()
+
+    def job_done(self, num: int) -> str:
+        self.done.add(num)
+        elapsed = time.perf_counter() - self.t0
+        left = [i for i in range(self.total) if i not in self.done]
+        if self.per_job_s and len(self.per_job_s) == self.total:
+            planned = sum(self.per_job_s[i] for i in self.done)
+            scale = min(max(elapsed / planned, 0.5), 4.0) if planned > 0 else 1.0
+            rest = scale * sum(self.per_job_s[i] for i in left)
+        else:
+            rest = elapsed / len(self.done) * len(left)
+        return (f"sweep: {len(self.done)}/{self.total} jobs done, {duration(elapsed)} elapsed, "
+                f"about {duration(rest)} left")

@@ -1,0 +1,53 @@
+"""A job bounded by time instead of a step count (``ablation.budget_s``): the ladder measures a
+rung whose step is far slower than the naive trainer's for as long as it needs for a median,
+not for the full step count, and the job says so in its summary."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+log = logging.getLogger("perfrun")
+
+# steady steps a budgeted job always runs after its warm-up: enough for a median and a spread
+MIN_STEADY_STEPS = 10
+
+
+class TimeBudget:
+    """Stops the loop once ``budget_s`` seconds of training have passed and the warm-up plus
+    :data:`MIN_STEADY_STEPS` steady steps are done; never stops it when ``budget_s`` is None."""
+
+    def __init__(self, budget_s: float | None, warmup_steps: int, max_steps: int) -> None:
+        self.budget_s = budget_s
+        self.warmup_steps = warmup_steps
+        self.max_steps = max_steps
+        self.first_step = 1
+        self.stopped_at: int | None = None
+        self._t0 = time.perf_counter()
+
+    def start(self, step: int) -> None:
+        """The loop starts after ``step`` (0, or the step a resume continues from)."""
+        self.first_step = step + 1
+        self._t0 = time.perf_counter()
+
+    def spent(self, step: int) -> bool:
+        """True once, at the step where the job should stop."""
+        if self.budget_s is None or step >= self.max_steps:
+            return False
+        if step - self.first_step + 1 < self.warmup_steps + MIN_STEADY_STEPS:
+            return False
+        if time.perf_counter() - self._t0 < self.budget_s:
+            return False
+        self.stopped_at = step
+        log.info(f"time budget: stopped at step {step} of {self.max_steps} after {self.budget_s:g} s "
+                 f"(ablation.budget_s={self.budget_s:g}); its figures are the median of the steady steps run so far")
+        return True
+
+    def summary(self) -> dict[str, object]:
+        """The ``budget`` entry of summary.json: absent when the job had no budget."""
+        if self.budget_s is None:
+            return {}
+        return {"budget": {"budget_s": self.budget_s, "planned_steps": self.max_steps,
+                           "stopped_at_budget": self.stopped_at is not None, "stopped_at_step": self.stopped_at,
+                           "min_steady_steps": MIN_STEADY_STEPS,
+                           "method": "measured within a time budget, not the full step count"}}

@@ -1,0 +1,112 @@
+"""The estimate where it is cheap: the train log's first lines (with a warning before step
+1 when the configuration will not fit, naming the knob that would make it fit) and
+gpu-check's line for the GPT-2 124M shape against the device's memory. Estimates, said so."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from perfrun.loop.memory.estimate import EstimateError, estimate, variant
+from perfrun.loop.memory.fit import advice, gib, parse_size, what_fits
+from perfrun.telemetry.memory_breakdown import one_line
+
+log = logging.getLogger("perfrun")
+
+
+def device_limit(size: str | None, device: torch.device) -> tuple[int | None, str]:
+    """``memory.size`` if given, else this CUDA device's memory; None on the CPU."""
+    if size is not None:
+        return parse_size(size), f"memory.size={size}"
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return int(props.total_memory), f"{props.name}'s memory"
+    return None, "the CPU (no memory size to fit)"
+
+
+def wanted(cfg: Any, device: torch.device, world: int) -> str | None:
+    """None when the train log should carry the estimate, else why not."""
+    if cfg.memory.estimate is False:
+        return "memory.estimate=false"
+    if cfg.memory.estimate is None and device.type != "cuda":
+        return "off on the CPU by default (memory.estimate=true turns it on)"
+    if world > 1:
+        return "a run over several processes (estimate it first: perfrun estimate distributed=... nproc=N)"
+    if cfg.dataloader.batch_size == "auto":
+        return "dataloader.batch_size=auto (the search says what fits)"
+    return None
+
+
+def train_preflight(cfg: Any, vocab_size: int, device: torch.device, world: int) -> dict[str, Any] | None:
+    """The estimate's line in the train log, and a warning when it will not fit; the
+    estimate for summary.json (``memory_estimate``), None when not made. A ``memory.size``
+    that is not a size is refused here, before any work, whether or not an estimate is made."""
+    if cfg.memory.size is not None:
+        parse_size(str(cfg.memory.size))
+    if wanted(cfg, device, world) is not None:
+        return None
+    try:
+        e = estimate(cfg, vocab_size, top=3)
+    except EstimateError as err:
+        log.warning(f"memory estimate: {err}")
+        return {"kind": "estimate", "error": str(err)}
+    limit, where = device_limit(cfg.memory.size, device)
+    log.info(one_line("memory ESTIMATE (not measured):", e.breakdown.categories, e.peak_bytes)
+             + (f" of {gib(limit)}" if limit else ""))
+    doc = {**e.to_dict(), "memory_limit_bytes": limit, "memory_limit_source": where}
+    if limit is not None:
+        doc["fits"] = e.peak_bytes <= limit
+        if not doc["fits"]:
+            fixes = what_fits(cfg, vocab_size, limit, first=True)
+            doc["advice"] = advice(e, limit, where, fixes)
+            log.warning(f"this configuration will not fit: {doc['advice']}")
+    return doc
+
+
+GPT2_SHAPE = {"model.name": "gpt2", "model.n_layer": 12, "model.n_head": 12, "model.n_embd": 768,
+              "model.block_size": 1024, "dataloader.batch_size": 16, "data.seq_len": None}
+
+
+def gpu_check_estimate(device: torch.device, bf16: bool) -> dict[str, Any]:
+    """gpu-check's fact: the GPT-2 124M shape at batch 16 x 1024 (bf16 where the device
+    has it) estimated against this device's memory."""
+    from perfrun.config import TrainConfig
+
+    precision = {"precision.name": "bf16", "precision.dtype": "bfloat16"} if bf16 else {}
+    cfg = variant(TrainConfig(), **GPT2_SHAPE, **precision, device=str(device))
+    limit, where = device_limit(None, device)
+    try:
+        e = estimate(cfg, 50257, top=0)
+    except EstimateError as err:
+        return {"error": str(err)}
+    out = {"config": "model=gpt2 dataloader.batch_size=16" + (" precision=bf16" if bf16 else ""),
+           "estimated_peak_bytes": e.peak_bytes, "memory_bytes": limit, "memory_source": where, "measured": False,
+           "not_counted": e.not_counted}
+    if limit is not None:
+        out["fits"] = e.peak_bytes <= limit
+        if not out["fits"]:
+            out["advice"] = advice(e, limit, where, what_fits(cfg, 50257, limit, first=True))
+    return out
+
+
+def auto_batch_start(cfg: Any, vocab_size: int, limit: int, cap: int) -> tuple[int | None, str]:
+    """Where ``dataloader.batch_size=auto`` starts its search: the largest batch the
+    estimate fits into ``limit`` (None, with why, when the estimate cannot be made)."""
+    from perfrun.loop.memory.fit import largest_batch
+
+    try:
+        batch, runs = largest_batch(lambda b: estimate(cfg, vocab_size, batch_size=b, top=0).peak_bytes, limit, cap=cap)
+    except EstimateError as err:
+        return None, str(err)
+    return (batch or None), f"{runs} estimates"
+
+
+def gpu_check_line(fact: dict[str, Any]) -> str:
+    if "error" in fact:
+        return f"memory estimate: {fact['error']}"
+    limit = fact.get("memory_bytes")
+    verdict = "" if limit is None else (" fits" if fact["fits"] else f" does NOT fit: {fact['advice']}")
+    return (f"memory ESTIMATE for {fact['config']}: peak {gib(fact['estimated_peak_bytes'])}"
+            + (f" of {gib(limit)}" if limit else "") + verdict)

@@ -1,0 +1,147 @@
+"""FLOPs per token measured for any model: torch's FlopCounterMode over one forward and
+backward, run under FakeTensorMode so that no arithmetic happens and no memory is taken.
+
+The model's own parameters are not touched: the pass goes through ``functional_call`` with
+fake copies of them, and the gradients are taken with ``autograd.grad``. The fake tensors
+sit on the model's device, so the same kernels are chosen as in training; the CPU's flash
+kernel of ``scaled_dot_product_attention`` has no count in torch (2.13), so one is
+registered here (torch's count for the CUDA flash kernel) and the figure does not depend
+on the device. Like the analytic formula it is model FLOPs: recomputation is not counted,
+neither activation checkpointing's nor the one torch counts in every fused attention
+backward (the scores again: 5 matmuls where the model has 4).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils.flop_counter import (
+    FlopCounterMode,
+    register_flop_formula,
+    sdpa_backward_flop_count,
+    sdpa_flop_count,
+)
+
+from perfrun.console import first_line
+from perfrun.models import contract
+from perfrun.summary import RunSummary
+
+_aten = torch.ops.aten
+
+
+def _cpu_flash_forward(query_shape: Any, key_shape: Any, value_shape: Any, *args: Any, out_shape: Any = None,
+                       **kwargs: Any) -> int:
+    return sdpa_flop_count(query_shape, key_shape, value_shape)
+
+
+def _cpu_flash_backward(grad_out_shape: Any, query_shape: Any, key_shape: Any, value_shape: Any, *args: Any,
+                        out_shape: Any = None, **kwargs: Any) -> int:
+    return sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
+
+
+def _model_flops_backward(grad_out_shape: Any, query_shape: Any, key_shape: Any, value_shape: Any, *args: Any,
+                          out_shape: Any = None, **kwargs: Any) -> int:
+    """A fused attention backward without its recomputation of the scores: the model's own
+    four matmuls, twice the forward's two (as the 12*L*H*Q*T of the formula has it)."""
+    b, h, s_q, d = query_shape
+    s_k = key_shape[2]
+    return sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape) - 2 * b * h * s_q * d * s_k
+
+
+#: every fused attention backward in torch's flop registry, counted without its recompute
+_BACKWARDS = ("_scaled_dot_product_flash_attention_for_cpu_backward", "_scaled_dot_product_flash_attention_backward",
+              "_scaled_dot_product_efficient_attention_backward", "_scaled_dot_product_cudnn_attention_backward")
+
+
+def _model_flops_mapping() -> dict[Any, Any]:
+    return {getattr(_aten, name): _model_flops_backward for name in _BACKWARDS if hasattr(_aten, name)}
+
+
+def register_cpu_attention() -> None:
+    """Count the CPU flash-attention kernel and its backward (once per process)."""
+    from torch.utils.flop_counter import flop_registry
+
+    forward = _aten._scaled_dot_product_flash_attention_for_cpu
+    if forward in flop_registry or forward.default in flop_registry:
+        return
+    register_flop_formula(forward)(_cpu_flash_forward)
+    register_flop_formula(_aten._scaled_dot_product_flash_attention_for_cpu_backward)(_cpu_flash_backward)
+
+
+def counted_flops_per_token(model: nn.Module, sample: torch.Tensor, target: torch.Tensor) -> float:
+    """Training FLOPs per token of ``model`` (forward + backward), counted on one batch like
+    ``sample`` and ``target`` (only their shapes and dtypes matter) without computing it.
+
+    A token is a position of ``sample``: batch x sequence for a (B, T) input."""
+    register_cpu_attention()
+    device = next(model.parameters()).device
+    counter = FlopCounterMode(display=False, custom_mapping=_model_flops_mapping())
+    real = _state(model)
+    params = {n for n, p in model.named_parameters() if p.requires_grad and p.is_floating_point()}
+    with FakeTensorMode() as fake:
+        state = {name: fake.from_tensor(t, static_shapes=True) for name, t in real.items()}
+        trainable = [state[n].requires_grad_(True) for n in params]
+        idx, tgt = (fake.from_tensor(t.to(device), static_shapes=True) for t in (sample, target))
+        with counter:
+            out = torch.func.functional_call(model, state, (idx, tgt))
+            loss = out[1] if isinstance(out, tuple) else out
+            torch.autograd.grad(loss, trainable, allow_unused=True)
+    return counter.get_total_flops() / sample.numel()
+
+
+def _state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters (tied ones once) and buffers, detached."""
+    named = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    return {n: t.detach() for n, t in named.items()}
+
+
+def agreement(counted: float, formula: float) -> float:
+    """How far the counted figure is from the formula's, as a fraction of the formula's."""
+    return abs(counted - formula) / formula
+
+
+@dataclass
+class FlopsFigure:
+    """MFU's numerator per token: the model's analytic formula where it has one, else the
+    count of one forward and backward; both are kept and logged side by side. ``problem``:
+    why the count failed (a model FakeTensorMode cannot run), said in the log."""
+
+    counted: float | None
+    formula: float | None
+    problem: str | None = None
+
+    @property
+    def source(self) -> str:
+        return "formula" if self.formula is not None else "counted" if self.counted is not None else "none"
+
+    @property
+    def per_token(self) -> float:
+        """0 where neither figure exists: then MFU is not reported."""
+        return self.formula if self.formula is not None else self.counted or 0.0
+
+    def facts(self) -> RunSummary:
+        return {"flops_per_token": self.per_token, "flops_per_token_source": self.source,
+                "flops_per_token_counted": self.counted, "flops_per_token_formula": self.formula}
+
+    def describe(self) -> str:
+        counted = (f"counted {self.counted / 1e6:,.2f}M" if self.counted is not None
+                   else f"not counted ({self.problem})")
+        if self.formula is None:
+            return f"FLOPs per token: {counted}; the model has no formula, " + \
+                ("MFU uses the count" if self.counted is not None else "so no MFU")
+        apart = f" ({100 * agreement(self.counted, self.formula):.1f}% apart)" if self.counted is not None else ""
+        return f"FLOPs per token: formula {self.formula / 1e6:,.2f}M, {counted}{apart}, MFU uses the formula"
+
+
+def flops_figure(model: nn.Module, example: tuple[torch.Tensor, torch.Tensor], seq_len: int) -> FlopsFigure:
+    """Both figures for ``model`` (before any knob wraps it), ``example`` one dataset item."""
+    x, y = (t.unsqueeze(0) for t in example)
+    formula = float(model.flops_per_token(seq_len)) if contract.has(model, "flops") else None
+    try:
+        return FlopsFigure(counted_flops_per_token(model, x, y), formula)
+    except Exception as e:  # noqa: BLE001 - the user's model under FakeTensorMode: said in the log, not fatal
+        return FlopsFigure(None, formula, f"{type(e).__name__}: {first_line(e)}")

@@ -1,0 +1,76 @@
+"""scripts/bench_train.py on the CPU at its smallest: two alternating pairs of fresh processes
+give a report with the ratio, its intervals, the threads both sides ran with and what the
+machine did meanwhile; the Python-call count per step of each side; the sign-test interval
+on known ratios. No timing is asserted: the machine is shared."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from conftest import REPO, TINY_MODEL
+
+SMALL = [*TINY_MODEL, "dataloader.batch_size=2", "device=cpu", "data=synthetic"]
+
+
+def bench() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_train", REPO / "scripts" / "bench_train.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_two_pairs_report_the_ratio_its_interval_the_threads_and_the_load(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "bench.json"
+    assert bench().main(["--pairs", "2", "--steps", "3", "--warmup", "1", "--threads", "1", "--configs", "custom",
+                         "--json", str(out), *SMALL]) == 0
+    result = json.loads(out.read_text())
+    row = result["configs"]["custom"]
+    assert row["overrides"] == SMALL and [p["first"] for p in row["pairs"]] == ["perfrun", "plain"]  # alternating
+    for p in row["pairs"]:
+        assert p["ratio"] == pytest.approx(p["perfrun"]["tokens_per_s"] / p["plain"]["tokens_per_s"])
+    ratios = sorted(p["ratio"] for p in row["pairs"])
+    assert row["median_ratio"] == pytest.approx(sum(ratios) / 2)
+    assert row["ci95_sign_test"] is None  # two pairs: no 95 % sign-test interval exists
+    lo, hi = row["ci95_bootstrap"]
+    assert ratios[0] <= lo <= hi <= ratios[1]
+    threads = row["threads"]  # (torch threads, interop threads, OMP_NUM_THREADS) as each process read them back
+    assert threads["perfrun"] == threads["plain"] and [(t[0], t[2]) for t in threads["plain"]] == [(1, "1")]
+    machine = row["machine"]
+    assert machine["cpus"] >= 1 and machine["load_avg_1m"]["min"] <= machine["load_avg_1m"]["max"]
+    assert 0 <= machine["others_cpu_share_pct"] and isinstance(machine["busiest_others"], list)
+    shown = capsys.readouterr().out
+    assert "custom pair 2/2 (plain first)" in shown and "95% sign test" in shown and "busiest others" in shown
+
+
+def test_python_calls_per_step_of_both_sides(monkeypatch: pytest.MonkeyPatch) -> None:
+    module = bench()
+    monkeypatch.setattr(sys, "argv", ["bench_train.py"])
+    counts = {side: module.calls_per_step(side, 1, [*SMALL, "progress=off", "monitor.every_n_steps=0"])
+              for side in ("perfrun", "plain")}
+    for side, got in counts.items():  # a forward, backward and AdamW step are hundreds of Python calls
+        assert got["calls_per_step"] > 100, side
+        assert sum(got["top"].values()) <= got["calls_per_step"] + 1e-6 and len(got["top"]) == 30
+        assert got["aten_ops"]["aten._fused_adamw_"] >= 1 and got["aten_ops"]["aten.mm"] >= 2 * 2  # 2 blocks
+        assert got["aten_ops_per_step"] == sum(got["aten_ops"].values())
+
+
+def test_sign_test_interval_is_the_order_statistics_of_the_binomial() -> None:
+    module = bench()
+    ratios = [1.0 + i / 100 for i in range(10)]  # n=10: P(B<=1) = 1.07 % <= 2.5 % < P(B<=2): the 2nd and 9th
+    assert module.sign_test_interval(ratios) == (1.01, 1.08)
+    assert module.sign_test_interval(ratios[:6]) == (1.0, 1.05)  # n=6: min and max cover 96.9 %
+    assert module.sign_test_interval(ratios[:5]) is None
+
+
+def test_unknown_configuration_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench().main(["--configs", "huge-*"]) == 2
+    err = capsys.readouterr().err
+    assert "matches none of tiny-fp32-on" in err and len(err.strip().splitlines()) == 1

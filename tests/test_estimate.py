@@ -1,0 +1,145 @@
+"""The estimate before a run (perfrun/loop/memory): fake tensors count the same bytes as the
+same steps on real tensors, category by category within 2 % (tiny, a GPT-2-wide model
+at a small batch and short block, checkpointing, chunked loss); FSDP2 over a fake process
+group divides the optimizer state by the ranks; the largest batch that fits and the knob
+that makes a configuration fit; one line for a data-dependent operation and for a bad
+memory size; the command prints an estimate, never a measurement."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from perfrun.commands import estimate as estimate_command
+from perfrun.loop.memory.estimate import EstimateError, estimate
+from perfrun.loop.memory.fit import largest_batch, parse_size
+from perfrun.telemetry.memory_tracker import CATEGORIES
+
+from conftest import TINY_MODEL, make_cfg
+
+VOCAB = 256
+SMALL = ["data=synthetic", f"data.vocab_size={VOCAB}"]
+# GPT-2 124M's width, heads and vocabulary, two of its blocks, at a small batch and short block
+GPT2_WIDE = ["model=gpt2", "model.n_layer=2", "data=synthetic", "data.vocab_size=50257", "data.seq_len=64",
+             "dataloader.batch_size=2", "device=cpu"]
+
+
+def _close(estimated: dict[str, float], measured: dict[str, float], merge_temp: bool) -> None:
+    """Within 2 % per category (a category under 64 KiB within 64 KiB); under activation
+    checkpointing the tracker counts recomputed activations as Temp: compare their sum."""
+    e, m = dict(estimated), dict(measured)
+    if merge_temp:
+        for d in (e, m):
+            d["Activation"] += d.pop("Temp")
+    for c in e:
+        assert abs(e[c] - m[c]) <= max(0.02 * m[c], 2**16), (c, e[c], m[c])
+
+
+@pytest.mark.parametrize("overrides", [
+    [],
+    ["checkpointing=full"],
+    ["loss=chunked", "loss.chunk_size=32", "accumulation.steps=2"],
+    GPT2_WIDE,
+], ids=["tiny", "checkpointing", "chunked-accumulation", "gpt2-wide"])
+def test_the_estimate_equals_the_same_steps_on_real_tensors(overrides: list[str], one_thread: None) -> None:
+    cfg = make_cfg(*overrides, tiny=False) if overrides is GPT2_WIDE else make_cfg(*SMALL, *overrides)
+    vocab = int(cfg.data.vocab_size)
+    fake = estimate(cfg, vocab)
+    real = estimate(cfg, vocab, fake=False)
+    assert not fake.measured and fake.to_dict()["kind"] == "estimate" and real.to_dict()["kind"] == "measurement"
+    assert fake.peak_bytes > 0 and set(fake.breakdown.categories) == set(CATEGORIES)
+    # AdamW: two moments per parameter, and a step count per tensor
+    assert fake.breakdown.categories["Optstate"] == pytest.approx(2 * fake.breakdown.categories["Parameter"], rel=0.01)
+    _close(fake.breakdown.categories, real.breakdown.categories, merge_temp=cfg.checkpointing.name != "none")
+    assert abs(fake.peak_bytes - real.peak_bytes) <= 0.02 * real.peak_bytes
+    assert [m.name for m in fake.breakdown.modules][:1] == [m.name for m in real.breakdown.modules][:1]
+
+
+def test_checkpointing_and_chunked_loss_take_what_they_should() -> None:
+    base = estimate(make_cfg(*SMALL), VOCAB).breakdown.categories
+    full = estimate(make_cfg(*SMALL, "checkpointing=full"), VOCAB).breakdown.categories
+    assert full["Activation"] < base["Activation"] / 2
+    assert full["Parameter"] == base["Parameter"] and full["Optstate"] == base["Optstate"]
+
+
+def test_fsdp_over_a_fake_process_group_shards_the_optimizer_state() -> None:
+    one = estimate(make_cfg(*SMALL), VOCAB)
+    four = estimate(make_cfg(*SMALL, "distributed=fsdp", "nproc=4"), VOCAB)
+    assert four.world == 4 and "FSDP" in four.breakdown.method
+    assert four.breakdown.categories["Optstate"] == pytest.approx(one.breakdown.categories["Optstate"] / 4, rel=0.05)
+    assert not torch.distributed.is_initialized()  # the fake group is gone
+
+
+def test_the_largest_batch_fits_and_one_more_does_not() -> None:
+    cfg = make_cfg(*SMALL)
+    at = {b: estimate(cfg, VOCAB, batch_size=b, top=0).peak_bytes for b in (1, 2)}
+    limit = at[1] + 5 * (at[2] - at[1]) + 1000  # room for about batch 6
+    batch, runs = largest_batch(lambda b: estimate(cfg, VOCAB, batch_size=b, top=0).peak_bytes, limit, cap=64)
+    assert estimate(cfg, VOCAB, batch_size=batch, top=0).peak_bytes <= limit
+    assert estimate(cfg, VOCAB, batch_size=batch + 1, top=0).peak_bytes > limit
+    assert runs <= 6
+
+
+def test_a_data_dependent_operation_fails_in_one_line_naming_it_and_the_module(monkeypatch: pytest.MonkeyPatch) -> None:
+    from perfrun.models import build, gpt
+
+    real = build.build_model
+
+    def with_item(*args, **kwargs):  # a model that reads a value back in its first block's MLP
+        model = real(*args, **kwargs)
+        mlp = model.blocks[0].mlp
+        forward = mlp.forward
+        mlp.forward = lambda x: forward(x) * float(x.abs().max().item() > 0)
+        return model
+
+    monkeypatch.setattr(build, "build_model", with_item)
+    assert gpt  # the family module is what build wraps
+    with pytest.raises(EstimateError) as e:
+        estimate(make_cfg(*SMALL), VOCAB)
+    text = str(e.value)
+    assert "\n" not in text and "_local_scalar_dense" in text and "blocks.0.mlp" in text
+
+
+def test_memory_sizes_are_parsed_or_refused() -> None:
+    from perfrun.config import ConfigError
+
+    assert parse_size("80GiB") == 80 * 2**30 and parse_size("40 GB") == 40 * 10**9 and parse_size("512MiB") == 2**29
+    with pytest.raises(ConfigError, match="memory.size=80XB is not a memory size"):
+        parse_size("80XB")
+
+
+def test_the_command_prints_an_estimate_and_the_knob_that_would_fit(capsys: pytest.CaptureFixture[str],
+                                                                     tmp_path: Path) -> None:
+    words = [*SMALL, *TINY_MODEL, "dataloader.batch_size=8"]
+    peak = estimate(make_cfg(*words), VOCAB, top=0).peak_bytes
+    out = tmp_path / "estimate.json"
+    code = estimate_command.main([*words, f"memory.size={int(peak * 0.7)}B", f"estimate.out={out}"])
+    printed = capsys.readouterr().out
+    assert code == 0
+    assert printed.startswith("ESTIMATE, not a measurement") and "does NOT fit" in printed
+    assert "makes it fit" in printed and "largest batch that fits" in printed
+    doc = json.loads(out.read_text())
+    assert doc["kind"] == "estimate" and doc["measured"] is False and doc["fits"] is False
+    assert doc["peak_bytes"] == peak and 1 <= doc["largest_batch"]["batch_size"] < 8
+    knobs = {k["overrides"]: k for k in doc["knobs"]}
+    assert knobs["checkpointing=full"]["fits"] and knobs["checkpointing=full"]["peak_bytes"] < peak * 0.7
+    assert estimate_command.main(["memory.size=lots"]) == 2
+    assert "memory.size=lots is not a memory size" in capsys.readouterr().err
+
+
+def test_the_train_log_says_the_estimate_and_warns_before_step_1(caplog: pytest.LogCaptureFixture) -> None:
+    from perfrun.loop.memory.preflight import train_preflight
+
+    cpu = torch.device("cpu")
+    assert train_preflight(make_cfg(*SMALL), VOCAB, cpu, 1) is None  # off on the CPU unless asked
+    peak = estimate(make_cfg(*SMALL), VOCAB, top=0).peak_bytes
+    cfg = make_cfg(*SMALL, "memory.estimate=true", f"memory.size={int(peak * 0.8)}B")
+    with caplog.at_level("INFO", logger="perfrun"):
+        doc = train_preflight(cfg, VOCAB, cpu, 1)
+    assert doc is not None and doc["kind"] == "estimate" and doc["measured"] is False and doc["fits"] is False
+    said = [r for r in caplog.records if r.getMessage().startswith("memory ESTIMATE (not measured):")]
+    warned = [r for r in caplog.records if r.levelname == "WARNING" and "will not fit" in r.getMessage()]
+    assert len(said) == 1 and len(warned) == 1 and "makes it fit" in warned[0].getMessage()
