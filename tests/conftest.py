@@ -27,6 +27,12 @@ TINY = [
 ]
 
 
+# The job tests/test_distributed.py and tests/test_fsdp.py run on 2 ranks (x batch 2) and in one
+# process (x batch 4, the same global batch), with 2 micro-steps.
+RANKS_COMMON = [*TINY_MODEL, "max_steps=6", "log_every=1", "eval_every=0", "eval_batches=2", "device=cpu",
+                "progress=off", "monitor.every_n_steps=0", "optim.warmup_steps=2", "accumulation.steps=2"]
+
+
 def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
     if torch.cuda.is_available():
         return
@@ -42,6 +48,21 @@ def _cache_dir(tmp_path_factory: pytest.TempPathFactory) -> None:
     os.environ["PERFRUN_CACHE"] = str(tmp_path_factory.mktemp("perfrun-cache"))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _one_thread_per_process() -> Iterator[None]:
+    """Every job of the suite, in this process or started by it, on one thread: tiny models
+    run fastest so, and two test workers on 2 cores (``pytest -n 2``) would otherwise make
+    twice as many OpenMP threads spin against each other (up to 100x slower). A caller's own
+    OMP_NUM_THREADS is kept."""
+    before, env = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+    torch.set_num_threads(int(env or 1))
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # run_cli, start_train, torchrun and their ranks
+    yield
+    torch.set_num_threads(before)
+    if env is None:
+        os.environ.pop("OMP_NUM_THREADS", None)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _no_compiled_code_between_files() -> Iterator[None]:
     """What a test file compiles stays in that file: tests that check a job leaves torch's
@@ -53,11 +74,38 @@ def _no_compiled_code_between_files() -> Iterator[None]:
 @pytest.fixture(scope="module")
 def one_thread() -> Iterator[None]:
     """Tiny models run fastest on one thread, and a second process on this 2-core box
-    (a parallel test run) makes two OpenMP threads spin against it (100x slower)."""
+    (a parallel test run) makes two OpenMP threads spin against it (100x slower). The
+    session already runs on one thread (``_one_thread_per_process``); this keeps a module
+    on one even where the caller's OMP_NUM_THREADS asks for more."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def one_process_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    """RANKS_COMMON in one process with batch 4: the losses, weights and summary that 2 DDP or
+    FSDP ranks must match. Trained once per session (each xdist worker has its own); the tests
+    only read its run dir (its last checkpoint is step 6)."""
+    from perfrun.loop.run import run
+
+    run_dir = tmp_path_factory.mktemp("one-process")
+    return run_dir, run(make_cfg(*RANKS_COMMON, "dataloader.batch_size=4"), run_dir)
+
+
+@pytest.fixture(scope="session")
+def text_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real checkpoint from a short run on byte-level text (this repo's own source), with
+    bias-free linears (an export fills GPT-2's biases with zeros): what test_generate.py and
+    test_export.py read. Trained once per session; the tests only read its run folder."""
+    from perfrun.checkpoint import files as checkpoint_files
+    from perfrun.loop.run import run
+
+    folder = tmp_path_factory.mktemp("text-run")
+    run(make_cfg("max_steps=12", "checkpoint.every_n_steps=12", "data=text", f"data.path={REPO / 'perfrun'}",
+                 "eval_batches=1", "model.bias=false"), folder)
+    return checkpoint_files.list_checkpoints(folder / "checkpoints")[-1]
 
 
 def make_cfg(*overrides: str, tiny: bool = True) -> TrainConfig:
@@ -80,6 +128,21 @@ def run_cli(*args: str, cwd: Path, timeout: float = 240, env: dict[str, str] | N
         [sys.executable, "-m", "perfrun", *args], cwd=cwd, env=full_env,
         capture_output=True, text=True, timeout=timeout,
     )
+
+
+def launch(*args: str, cwd: Path) -> int:
+    """``perfrun ARGS`` with the launcher in this process (a process start fewer than
+    :func:`run_cli`): what it starts, torchrun and its ranks, are real processes that import
+    this checkout. Its exit code."""
+    from perfrun.commands.dispatch import main as cli_main
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(cwd)
+        mp.setenv("PYTHONPATH", _pythonpath())
+        try:
+            return cli_main(list(args))
+        except SystemExit as e:  # Hydra's app exits through SystemExit
+            return int(e.code or 0)
 
 
 def start_train(cwd: Path, *args: str) -> subprocess.Popen:

@@ -5,9 +5,11 @@ are written in the same format."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from perfrun.loop.run import run
@@ -46,7 +48,17 @@ def test_an_earlier_perfruns_checkpoint_resumes_exactly(tmp_path: Path) -> None:
     assert resumed["tokens"] == full["tokens"] and resumed["data_position"] == full["data_position"]
 
 
-def test_todays_checkpoint_has_the_old_files_layout(tmp_path: Path) -> None:
+@pytest.fixture
+def threads_of_the_fixture() -> Iterator[None]:
+    """The fixture was written on 2 CPU threads (torch's default on the 2-core machine); its
+    weights are compared bit for bit, and another thread count sums in another order."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_todays_checkpoint_has_the_old_files_layout(tmp_path: Path, threads_of_the_fixture: None) -> None:
     """Same keys at every level and the same kinds of values: the file format did not change
     (the recorded configuration is left out: it grows with the schema, and resuming reads
     only the keys that :func:`perfrun.checkpoint.files.check_compatible` names)."""

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -19,24 +21,24 @@ from perfrun.data import ResumableSampler
 from perfrun.loop.run import run
 from perfrun.telemetry.sinks import gpu_parts
 
-from conftest import REPO, TINY_MODEL, losses, make_cfg, run_cli, torchrun
+from conftest import RANKS_COMMON, REPO, launch, losses, make_cfg
 
 # float32 sums in another order (two half-batch means averaged by the all-reduce, against
 # one mean over the whole batch): equal to ~1e-7 relative; 1e-5 leaves room.
 TOL = 1e-5
 STEPS = 6
-COMMON = [*TINY_MODEL, f"max_steps={STEPS}", "log_every=1", "eval_every=0", "eval_batches=2", "device=cpu",
-          "progress=off", "monitor.every_n_steps=0", "optim.warmup_steps=2", "accumulation.steps=2"]
+COMMON = RANKS_COMMON  # 6 steps of the tiny model, 2 micro-steps
+CHUNKED = ["loss=chunked", "loss.chunk_size=24"]  # 2 x 32 = 64 rows per rank: 3 chunks, the last one short
 
 
 @pytest.fixture(scope="module")
 def ddp_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """2 ranks x batch 2 through ``perfrun train distributed=ddp nproc=2`` (which starts
-    torchrun), no hydra.run.dir: the parent resolves outputs/DATE/TIME once for both."""
+    torchrun; the launcher in this process), no hydra.run.dir: the parent resolves
+    outputs/DATE/TIME once for both."""
     cwd = tmp_path_factory.mktemp("ddp")
-    p = run_cli("train", *COMMON, "distributed=ddp", "nproc=2", "dataloader.batch_size=2",
-                "checkpoint.every_n_steps=3", "checkpoint.keep_last=5", "monitor.every_n_steps=3", cwd=cwd, timeout=120)
-    assert p.returncode == 0, p.stderr
+    assert launch("train", *COMMON, "distributed=ddp", "nproc=2", "dataloader.batch_size=2",
+                  "checkpoint.every_n_steps=3", "checkpoint.keep_last=5", "monitor.every_n_steps=3", cwd=cwd) == 0
     return cwd
 
 
@@ -51,10 +53,11 @@ def test_sampler_shards_union_to_the_one_process_order() -> None:
     assert list(s) == ranks[1][20:]
 
 
-def test_two_ranks_match_one_process_with_the_same_global_batch(ddp_run: Path, tmp_path: Path) -> None:
+def test_two_ranks_match_one_process_with_the_same_global_batch(
+        ddp_run: Path, one_process_run: tuple[Path, dict[str, Any]]) -> None:
     (run_dir,) = [p.parent for p in ddp_run.glob("outputs/*/*/summary.json")]
-    one = run(make_cfg(*COMMON, "dataloader.batch_size=4"), tmp_path)
-    a, b = losses(tmp_path), losses(run_dir)
+    one_dir, one = one_process_run
+    a, b = losses(one_dir), losses(run_dir)
     assert sorted(a) == sorted(b) == list(range(1, STEPS + 1))
     assert all(abs(a[k] - b[k]) <= TOL * abs(a[k]) for k in a), (a, b)
     s = json.loads((run_dir / "summary.json").read_text())
@@ -65,7 +68,7 @@ def test_two_ranks_match_one_process_with_the_same_global_batch(ddp_run: Path, t
 
 
 def test_only_rank_0_writes_into_one_run_dir(ddp_run: Path) -> None:
-    files = sorted(str(p.relative_to(ddp_run)) for p in ddp_run.rglob("*") if p.is_file() and "resume" not in p.parts)
+    files = sorted(str(p.relative_to(ddp_run)) for p in ddp_run.rglob("*") if p.is_file())
     (run_dir,) = {Path(f).parts[:3] for f in files}  # everything under one outputs/DATE/TIME
     names = sorted(str(Path(*Path(f).parts[3:])) for f in files)
     assert names == [".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml", ".perfrun.lock",
@@ -90,14 +93,22 @@ def test_every_ranks_telemetry_reaches_rank_0s_log(ddp_run: Path) -> None:
 
 
 def test_a_sweep_of_distributed_jobs_starts_torchrun_per_job(tmp_path: Path) -> None:
-    """nproc=1,2: each job with nproc > 1 starts its own torchrun into its job folder."""
-    p = run_cli("train", "-m", *COMMON, "max_steps=4", "distributed=ddp", "nproc=1,2", "dataloader.batch_size=2",
-                "checkpoint.at_end=false", "profile=true", "profiler.start_step=1", "profiler.warmup=0",
-                "profiler.active=1", cwd=tmp_path, timeout=180)
-    assert p.returncode == 0, p.stderr
+    """nproc=1,2: each job with nproc > 1 starts its own torchrun into its job folder. The
+    jobs use loss=chunked, so the 2-rank job also shows the chunked loss under DDP training
+    as loss=standard does in one process with the same global batch (a torchrun start fewer
+    than a run of its own; test_speed_knobs.py holds the FSDP2 case)."""
+    assert launch("train", "-m", *COMMON, "max_steps=4", "distributed=ddp", "nproc=1,2", "dataloader.batch_size=2",
+                  "checkpoint.at_end=false", "profile=true", "profiler.start_step=1", "profiler.warmup=0",
+                  "profiler.active=1", *CHUNKED, cwd=tmp_path) == 0
     (sweep,) = tmp_path.glob("outputs/multirun/*/*")
     summaries = [json.loads((sweep / str(n) / "summary.json").read_text()) for n in (0, 1)]
     assert [s["status"] for s in summaries] == ["completed", "completed"]
+    assert [s["knobs"]["loss"] for s in summaries] == [{"name": "chunked", "chunk_size": 24}] * 2
+    # 2 ranks x batch 2 x 2 micro-steps, chunked, against one process x batch 4 x 2 micro-steps, standard
+    run(make_cfg(*COMMON, "max_steps=4", "dataloader.batch_size=4", "checkpoint.at_end=false"), tmp_path / "one")
+    a, b = losses(tmp_path / "one"), losses(sweep / "1")
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4]
+    assert all(abs(a[k] - b[k]) <= TOL * abs(a[k]) for k in a), (a, b)
     assert [s["world_size"] for s in summaries] == [1, 2]
     assert [s["tokens_per_step"] for s in summaries] == [2 * 2 * 32, 2 * 2 * 32 * 2]  # batch x accumulation x seq x ranks
     assert len(list(sweep.rglob("metrics.jsonl"))) == 2 and len(list(sweep.rglob("config.yaml"))) == 2  # one writer each
@@ -106,22 +117,31 @@ def test_a_sweep_of_distributed_jobs_starts_torchrun_per_job(tmp_path: Path) -> 
     assert len(table["rows"]) == 2 and {r["status"] for r in table["rows"]} == {"completed"}
 
 
-def test_resume_under_ddp_is_exact(ddp_run: Path) -> None:
-    (run_dir,) = [p.parent for p in ddp_run.glob("outputs/*/*/summary.json")]
-    ckpt = run_dir / "checkpoints" / "step_0000003.pt"
-    cwd = ddp_run / "resume"
-    cwd.mkdir()
-    # raw torchrun, no hydra.run.dir: rank 0 resolves the run dir and broadcasts it
-    p = torchrun(cwd, *COMMON, "distributed=ddp", "dataloader.batch_size=2", f"resume={ckpt}")
-    assert p.returncode == 0, p.stderr
-    (resumed,) = [p.parent for p in cwd.rglob("summary.json")]
-    assert not (resumed / "checkpoints" / "step_0000003.pt").exists()
-    assert len(list(cwd.rglob("metrics.jsonl"))) == 1 and len(list(cwd.glob("outputs/*/*"))) == 1
-    a, b = losses(run_dir), losses(resumed)
-    assert sorted(b) == list(range(4, STEPS + 1))
-    assert [a[k] for k in b] == [b[k] for k in b]  # same ranks, same order: bit for bit
-    s = json.loads((resumed / "summary.json").read_text())
-    assert s["start_step"] == 3 and s["data_position"] == json.loads((run_dir / "summary.json").read_text())["data_position"]
+def test_resume_auto_under_ddp_continues_the_run_in_its_run_dir_exactly(
+        ddp_run: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """distributed=ddp nproc=2 resume=auto: the launcher decides once, before the ranks start,
+    and both ranks resume from the one checkpoint into the one run dir, bit for bit (same
+    ranks, same order). A copy of the module's 2-rank run, its step-6 checkpoint removed, is
+    continued from step 3; the launcher runs in this process (a process start fewer), the
+    ranks are torchrun's, importing this checkout."""
+    shutil.copytree(ddp_run / "outputs", tmp_path / "outputs")
+    (run_dir,) = [p.parent.relative_to(tmp_path) for p in tmp_path.glob("outputs/*/*/summary.json")]
+    (tmp_path / run_dir / "checkpoints" / "step_0000006.pt").unlink()
+    capfd.readouterr()
+    assert launch("train", *COMMON, "distributed=ddp", "nproc=2", "dataloader.batch_size=2", "checkpoint.every_n_steps=3",
+                  "checkpoint.keep_last=5", "monitor.every_n_steps=3", "resume=auto", cwd=tmp_path) == 0
+    assert f"continuing the run in {run_dir} from step 3" in capfd.readouterr().err
+    assert [p.relative_to(tmp_path) for p in tmp_path.glob("outputs/*/*")] == [run_dir]  # no second run dir
+    assert len(list(tmp_path.rglob("metrics.jsonl"))) == 1
+    before = json.loads((ddp_run / run_dir / "summary.json").read_text())
+    s = json.loads((tmp_path / run_dir / "summary.json").read_text())
+    assert s["world_size"] == 2 and s["status"] == "completed" and s["start_step"] == s["resumed_from_step"] == 3
+    assert s["steps"] == STEPS and s["data_position"] == before["data_position"]
+    lines = (tmp_path / run_dir / "metrics.jsonl").read_text().splitlines()
+    redone = [r for r in map(json.loads, lines) if r["kind"] == "train"][STEPS:]  # written by the resumed ranks
+    a = losses(ddp_run / run_dir)
+    assert [r["step"] for r in redone] == list(range(4, STEPS + 1))
+    assert [r["loss"] for r in redone] == [a[r["step"]] for r in redone]  # bit for bit
 
 
 def test_a_ddp_checkpoint_resumes_in_one_process_with_the_same_global_batch(ddp_run: Path, tmp_path: Path) -> None:
@@ -159,10 +179,13 @@ def test_a_checkpoint_from_before_ranks_were_recorded_infers_them(ddp_run: Path,
     (["distributed=ddp", "nproc=2", "model.n_embd=33"], "model.n_embd=33 is not divisible by model.n_head=2"),
     (["distributed=ddp", "nproc=2", "dataloader.batch_size=auto"], "batch_size=auto is not supported with distributed=ddp"),
 ])
-def test_bad_distributed_input_gets_one_line(args: list[str], says: str, tmp_path: Path) -> None:
-    p = run_cli("train", *COMMON, *args, cwd=tmp_path)
-    lines = [line for line in p.stderr.splitlines() if line.strip()]
-    assert p.returncode == 2 and len(lines) == 1 and says in lines[0], p.stderr
+def test_bad_distributed_input_gets_one_line(args: list[str], says: str, tmp_path: Path,
+                                            capfd: pytest.CaptureFixture[str]) -> None:
+    """In this process (test_cli.py checks the exit code and stderr of a real process)."""
+    code = launch("train", *COMMON, *args, cwd=tmp_path)
+    err = capfd.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and says in lines[0], err
     assert not (tmp_path / "outputs").exists()
 
 

@@ -9,15 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from perfrun.checkpoint import files as checkpoint
 from perfrun.commands.dispatch import main as cli_main
 from perfrun.inference import onnx_export
 from perfrun.inference.loading import load_model
-from perfrun.loop.run import run
 from perfrun.models import hf_layout
 from perfrun.models.gpt import GPT
-
-from conftest import REPO, make_cfg
 
 ONNX_ATOL = onnx_export.DEFAULT_ATOL  # fp32 logits in both runtimes; only summation order differs
 
@@ -26,11 +22,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("export")
-    run(make_cfg("max_steps=12", "checkpoint.every_n_steps=12", "data=text", f"data.path={REPO / 'perfrun'}",
-                 "eval_batches=1", "model.bias=false"), folder)
-    return checkpoint.list_checkpoints(folder / "checkpoints")[-1]
+def ckpt(text_checkpoint: Path) -> Path:
+    """12 steps on this repo's source, bias-free (conftest.py: shared with test_generate.py)."""
+    return text_checkpoint
 
 
 def test_onnx_export_has_dynamic_axes_and_matches_pytorch(ckpt: Path, tmp_path: Path,

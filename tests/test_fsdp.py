@@ -21,6 +21,7 @@ import time
 from collections import Counter
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -35,33 +36,31 @@ from perfrun.knobs import Plan, apply_knobs
 from perfrun.loop.run import run
 from perfrun.models.gpt import GPT, GPTConfig
 
-from conftest import REPO, TINY_MODEL, losses, make_cfg, run_cli, torchrun
+from conftest import RANKS_COMMON, REPO, launch, losses, make_cfg, torchrun
 
 TOL = 1e-5  # float32 sums in another order (see test_distributed.py)
 STEPS = 6
-COMMON = [*TINY_MODEL, f"max_steps={STEPS}", "log_every=1", "eval_every=0", "eval_batches=2", "device=cpu",
-          "progress=off", "monitor.every_n_steps=0", "optim.warmup_steps=2", "accumulation.steps=2"]
+COMMON = RANKS_COMMON  # 6 steps of the tiny model, 2 micro-steps
 
 
 @pytest.fixture(scope="module")
 def fsdp_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """2 ranks x batch 2 x 2 micro-steps, through ``perfrun train distributed=fsdp nproc=2``."""
+    """2 ranks x batch 2 x 2 micro-steps, through ``perfrun train distributed=fsdp nproc=2``
+    (the launcher in this process; torchrun and the ranks are real processes)."""
     run_dir = tmp_path_factory.mktemp("fsdp") / "run"
-    p = run_cli("train", *COMMON, "distributed=fsdp", "nproc=2", "dataloader.batch_size=2",
-                "checkpoint.every_n_steps=3", "checkpoint.keep_last=5", f"hydra.run.dir={run_dir}",
-                cwd=run_dir.parent, timeout=120)
-    assert p.returncode == 0, p.stderr
+    assert launch("train", *COMMON, "distributed=fsdp", "nproc=2", "dataloader.batch_size=2",
+                  "checkpoint.every_n_steps=3", "checkpoint.keep_last=5", f"hydra.run.dir={run_dir}",
+                  cwd=run_dir.parent) == 0
     return run_dir
 
 
-def test_two_fsdp_ranks_match_one_process(fsdp_dir: Path, tmp_path: Path) -> None:
+def test_two_fsdp_ranks_match_one_process(fsdp_dir: Path, one_process_run: tuple[Path, dict[str, Any]]) -> None:
     s = json.loads((fsdp_dir / "summary.json").read_text())
     assert s["status"] == "completed" and s["world_size"] == 2 and s["knobs"]["distributed"] == "fsdp"
     assert s["knobs"]["fsdp"] == {"shard_groups": 3, "param_dtype": "float32", "reduce_dtype": "float32",
                                   "reshard_after_forward": True, "reshard_last_block": False,
                                   "forward_prefetch": 0, "backward_prefetch": 0, "backend": "gloo"}
-    run(make_cfg(*COMMON, "dataloader.batch_size=4", "checkpoint.at_end=false"), tmp_path)
-    a, b = losses(tmp_path), losses(fsdp_dir)
+    a, b = losses(one_process_run[0]), losses(fsdp_dir)
     assert sorted(a) == sorted(b) == list(range(1, STEPS + 1))
     assert all(abs(a[k] - b[k]) <= TOL * abs(a[k]) for k in a), (a, b)
 
@@ -79,16 +78,25 @@ def test_every_rank_writes_its_shards_into_one_folder(fsdp_dir: Path) -> None:
 
 
 def test_resume_on_the_same_ranks_is_exact_dropout_included(tmp_path: Path) -> None:
-    """With dropout each rank draws its own masks; resume gives every rank its own RNG back."""
+    """With dropout each rank draws its own masks; resume gives every rank its own RNG back.
+    The resume is raw torchrun with no hydra.run.dir: rank 0 resolves outputs/DATE/TIME and
+    broadcasts it, so both ranks write into one run dir (DDP's exact resume, through the
+    launcher's resume=auto, is in test_distributed.py)."""
     args = [*COMMON, "distributed=fsdp", "dataloader.batch_size=2", "model.dropout=0.1"]
     p = torchrun(tmp_path, *args, "checkpoint.every_n_steps=3", f"hydra.run.dir={tmp_path / 'whole'}")
     assert p.returncode == 0, p.stderr
-    p = torchrun(tmp_path, *args, f"resume={tmp_path / 'whole' / 'checkpoints' / 'step_0000003'}",
-                 f"hydra.run.dir={tmp_path / 'resumed'}")
+    cwd = tmp_path / "resume"
+    cwd.mkdir()
+    p = torchrun(cwd, *args, f"resume={tmp_path / 'whole' / 'checkpoints' / 'step_0000003'}")
     assert p.returncode == 0, p.stderr
-    a, b = losses(tmp_path / "whole"), losses(tmp_path / "resumed")
+    (resumed,) = cwd.glob("outputs/*/*")
+    assert len(list(cwd.rglob("metrics.jsonl"))) == 1 and (resumed / "summary.json").is_file()
+    assert [c.name for c in checkpoint_files.list_checkpoints(resumed / "checkpoints")] == ["step_0000006"]
+    a, b = losses(tmp_path / "whole"), losses(resumed)
     assert sorted(b) == [4, 5, 6]
     assert [a[k] for k in b] == [b[k] for k in b]  # bit for bit
+    s = json.loads((resumed / "summary.json").read_text())
+    assert s["start_step"] == 3 and s["data_position"] == json.loads((tmp_path / "whole" / "summary.json").read_text())["data_position"]
 
 
 @pytest.mark.parametrize("mode", ["fsdp", "none"])
@@ -179,13 +187,13 @@ def test_a_step_in_both_layouts_resolves_to_the_newer(tmp_path: Path) -> None:
     assert checkpoint_files.list_checkpoints(tmp_path)[-1].name == "step_0000003.pt"
 
 
-def test_generate_and_export_read_a_sharded_checkpoint(fsdp_dir: Path, tmp_path: Path) -> None:
+def test_generate_and_export_read_a_sharded_checkpoint(
+        fsdp_dir: Path, one_process_run: tuple[Path, dict[str, Any]]) -> None:
     sharded = load_model(fsdp_dir)  # a run folder: its newest checkpoint
     assert sharded.tokenizer().name == "byte"  # byte-level: generate reads and writes its text
     assert sharded.step == 6 and sharded.path.name == "step_0000006"
     # the 2-rank sharded weights are the weights one process trains with the same global batch
-    run(make_cfg(*COMMON, "dataloader.batch_size=4"), tmp_path)
-    plain = load_model(tmp_path / "checkpoints" / "step_0000006.pt")
+    plain = load_model(one_process_run[0] / "checkpoints" / "step_0000006.pt")
     a, b = sharded.model.state_dict(), plain.model.state_dict()
     assert a.keys() == b.keys()
     for name in a:
@@ -195,7 +203,8 @@ def test_generate_and_export_read_a_sharded_checkpoint(fsdp_dir: Path, tmp_path:
 def test_sigterm_stops_every_rank_at_one_step_and_the_sharded_save_resumes(tmp_path: Path) -> None:
     """SIGTERM to ``perfrun train distributed=fsdp nproc=2`` (as a scheduler sends it): the
     launcher passes it to torchrun, which passes it to both ranks; they agree on one step,
-    write one sharded checkpoint together, and exit 143; resume=auto continues from there."""
+    write one sharded checkpoint together, and exit 143; resume=auto continues from there
+    (that launcher runs in this process, a process start fewer; its ranks are torchrun's)."""
     args = [*COMMON, "distributed=fsdp", "dataloader.batch_size=2", f"hydra.run.dir={tmp_path / 'run'}"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     p = subprocess.Popen([sys.executable, "-m", "perfrun", "train", *args, "nproc=2", "max_steps=100000"],
@@ -214,8 +223,7 @@ def test_sigterm_stops_every_rank_at_one_step_and_the_sharded_save_resumes(tmp_p
     meta = checkpoint_files.load(ckpt)
     assert meta["step"] == s["steps"] and meta["world_size"] == 2 and len(list(ckpt.glob("*.distcp"))) == 2
     stop = s["steps"]
-    r = run_cli("train", *args, "nproc=2", f"max_steps={stop + 2}", "resume=auto", cwd=tmp_path, timeout=120)
-    assert r.returncode == 0, r.stderr
+    assert launch("train", *args, "nproc=2", f"max_steps={stop + 2}", "resume=auto", cwd=tmp_path) == 0
     s2 = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert s2["status"] == "completed" and s2["start_step"] == stop and s2["steps"] == stop + 2
 

@@ -18,10 +18,7 @@ from perfrun.data.tokenizers import load_tokenizer
 from perfrun.inference.generation import Generator, generate
 from perfrun.inference.loading import load_model
 from perfrun.inference.sampling import Sampler
-from perfrun.loop.run import run
 from perfrun.models.gpt import GPT, GPTConfig, KVCache
-
-from conftest import REPO, make_cfg
 
 # fp32 on both paths; they differ only in summation order (observed ~1e-7)
 KV_ATOL = 1e-5
@@ -31,16 +28,11 @@ encode = load_tokenizer("byte").encode
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def make_checkpoint(folder: Path) -> Path:
-    """A real checkpoint from a short run on byte-level text (this repo's own source)."""
-    run(make_cfg("max_steps=12", "checkpoint.every_n_steps=12", "data=text", f"data.path={REPO / 'perfrun'}",
-                 "eval_batches=1"), folder)
-    return checkpoint.list_checkpoints(folder / "checkpoints")[-1]
-
-
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_checkpoint(tmp_path_factory.mktemp("gen"))
+def ckpt(text_checkpoint: Path) -> Path:
+    """A real checkpoint from 12 steps on byte-level text, this repo's own source
+    (conftest.py: shared with test_export.py)."""
+    return text_checkpoint
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])

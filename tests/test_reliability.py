@@ -42,12 +42,20 @@ def test_checkpoint_contents_load_with_weights_only(tmp_path: Path) -> None:
     assert not list((tmp_path / "checkpoints").glob("*.tmp"))
 
 
-@pytest.mark.parametrize("extra", [[], ["model.dropout=0.1", "accumulation.steps=2"], ["precision=bf16"],
-                                   ["precision=fp16"]])
+@pytest.mark.parametrize("extra", [
+    [], ["model.dropout=0.1", "accumulation.steps=2"], ["precision=bf16"], ["precision=fp16"],
+    # the CUDA input path: host batches copied ahead on a side stream, or drawn on the device
+    pytest.param(["device=cuda", "data=pysource", "accumulation.steps=2"], marks=pytest.mark.gpu, id="cuda-pysource"),
+    pytest.param(["device=cuda", "data=synthetic", "accumulation.steps=2"], marks=pytest.mark.gpu, id="cuda-synthetic"),
+])
 def test_resume_is_bit_exact(tmp_path: Path, extra: list[str]) -> None:
     """Stopped at step 10 and resumed, the run's losses at steps 11-20 equal the
-    uninterrupted run's bit for bit on the CPU: fp32, with dropout's random masks and
-    accumulation, and under bf16 and fp16 autocast (the gradient scaler's state included)."""
+    uninterrupted run's bit for bit: fp32, with dropout's random masks and accumulation,
+    under bf16 and fp16 autocast (the gradient scaler's state included), and on CUDA with
+    batches read ahead or drawn on the device (their position included). The paths with
+    more than one rank resume exactly in test_distributed.py (DDP, through resume=auto) and
+    test_fsdp.py (FSDP2 with dropout), beside the 2-rank runs they share; a checkpoint of an
+    earlier perfrun in test_checkpoint_format.py."""
     common = ["max_steps=20", "log_every=1", "dataloader.batch_size=8", *extra]
     full = run(make_cfg(*common, "checkpoint.every_n_steps=10", "checkpoint.keep_last=5"), tmp_path / "full")
     ckpt = tmp_path / "full" / "checkpoints" / "step_0000010.pt"
@@ -213,7 +221,9 @@ def _first_metrics(tmp_path: Path) -> bool:
 
 
 @pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
-def test_signal_stops_gracefully_and_resumes(tmp_path: Path, sig: int, code: int) -> None:
+def test_signal_stops_gracefully_and_resumes(tmp_path: Path, sig: int, code: int,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The signalled run is a real process; the resume runs in this process (no signal in it)."""
     p = start_train(tmp_path, *TINY_MODEL, "max_steps=100000", "log_every=1", "device=cpu", "monitor.every_n_steps=0",
                "hydra.run.dir=run")
     wait_for(lambda: _first_metrics(tmp_path))
@@ -228,10 +238,9 @@ def test_signal_stops_gracefully_and_resumes(tmp_path: Path, sig: int, code: int
     if sig == signal.SIGINT:
         return  # the resume below is the same for both signals: run it once
     stop_step = s["steps"]
-    resumed = start_train(tmp_path, *TINY_MODEL, f"max_steps={stop_step + 3}", "device=cpu", "monitor.every_n_steps=0",
-                     "hydra.run.dir=run", "resume=auto")
-    out, err = resumed.communicate(timeout=120)
-    assert resumed.returncode == 0, err
+    monkeypatch.chdir(tmp_path)
+    assert cli_main(["train", *TINY_MODEL, f"max_steps={stop_step + 3}", "device=cpu", "monitor.every_n_steps=0",
+                     "hydra.run.dir=run", "resume=auto"]) == 0
     s2 = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert s2["status"] == "completed" and s2["start_step"] == stop_step and s2["steps"] == stop_step + 3
 
