@@ -82,7 +82,7 @@ def run(cfg: EstimateJobConfig) -> int:
     return 0
 
 
-def vocab_of(cfg: Any) -> int:
+def vocab_of(cfg: TrainConfig) -> int:
     """The run's vocabulary, as setup finds it (the data source says it)."""
     from perfrun.data import build_datasets
 
@@ -118,7 +118,7 @@ def _estimate(cfg: EstimateJobConfig) -> tuple[dict[str, Any], list[str]]:
     return doc, lines
 
 
-def _knobs(cfg: Any) -> dict[str, Any]:
+def _knobs(cfg: TrainConfig) -> dict[str, Any]:
     return {"model": cfg.model.name, "batch_size": cfg.dataloader.batch_size, "accumulation": cfg.accumulation.steps,
             "precision": cfg.precision.name, "checkpointing": cfg.checkpointing.name, "loss": cfg.loss.name,
             "compile": cfg.compile, "distributed": cfg.distributed, "nproc": cfg.nproc}

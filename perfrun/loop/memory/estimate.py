@@ -69,7 +69,7 @@ class Estimate:
                 "not_counted": self.not_counted, "seconds": round(self.seconds, 3)}
 
 
-def variant(cfg: Any, **changes: Any) -> TrainConfig:
+def variant(cfg: TrainConfig | DictConfig, **changes: Any) -> TrainConfig:
     """``cfg`` with dotted keys changed (``variant(cfg, **{"checkpointing.name": "full"})``);
     ``cfg`` itself is never written."""
     base = cfg if isinstance(cfg, DictConfig) else OmegaConf.structured(cfg)
@@ -80,7 +80,7 @@ def variant(cfg: Any, **changes: Any) -> TrainConfig:
     return OmegaConf.to_object(merged) if OmegaConf.get_type(merged) is not dict else merged  # type: ignore[return-value]
 
 
-def target_device(cfg: Any) -> tuple[torch.device, str]:
+def target_device(cfg: TrainConfig) -> tuple[torch.device, str]:
     """Where the fake tensors live and what the estimate is for: a visible GPU is used as a
     fake CUDA device; without one, the CPU stands in for a CUDA target (said in not_counted)."""
     spec = str(cfg.device)
@@ -90,7 +90,7 @@ def target_device(cfg: Any) -> tuple[torch.device, str]:
     return torch.device("cpu"), "cuda" if wants_cuda else "cpu"
 
 
-def estimate(cfg: Any, vocab_size: int, *, batch_size: int | None = None, top: int = 10, fake: bool = True) -> Estimate:
+def estimate(cfg: TrainConfig, vocab_size: int, *, batch_size: int | None = None, top: int = 10, fake: bool = True) -> Estimate:
     """The peak of two optimizer steps of ``cfg`` at ``batch_size`` (default the config's),
     under fake tensors. Raises EstimateError with one line where it cannot. ``fake=False``
     takes the same steps on real tensors: a measurement (what the tests hold the estimate to)."""
@@ -114,7 +114,7 @@ def estimate(cfg: Any, vocab_size: int, *, batch_size: int | None = None, top: i
                     time.perf_counter() - t0, measured=not fake)
 
 
-def _estimated_config(cfg: Any, device: torch.device, target: str) -> tuple[TrainConfig, list[str]]:
+def _estimated_config(cfg: TrainConfig, device: torch.device, target: str) -> tuple[TrainConfig, list[str]]:
     """The configuration the fake steps run, and what that leaves out."""
     notes: list[str] = []
     changes: dict[str, Any] = {"model.init_from": None}
@@ -135,7 +135,7 @@ def _estimated_config(cfg: Any, device: torch.device, target: str) -> tuple[Trai
 
 
 @contextmanager
-def _steps(cfg: Any, device: torch.device, vocab_size: int, batch: int, seq_len: int,
+def _steps(cfg: TrainConfig, device: torch.device, vocab_size: int, batch: int, seq_len: int,
            fake: bool) -> Iterator[Tracker]:
     """Build everything under fake tensors and run two optimizer steps under the tracker;
     yield the tracker (its figures stay readable after the fake mode ends)."""

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from perfrun.config import ConfigError
+from perfrun.config import ConfigError, TrainConfig
 from perfrun.loop.memory.estimate import Estimate, EstimateError, estimate, variant
 
 UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -89,7 +89,7 @@ class KnobFit:
     error: str | None = None
 
 
-def knob_changes(cfg: Any) -> list[tuple[str, dict[str, Any]]]:
+def knob_changes(cfg: TrainConfig) -> list[tuple[str, dict[str, Any]]]:
     """The knobs that take memory away, each as (the overrides, the changed keys), in the
     order a user would try them: what costs least speed first."""
     out: list[tuple[str, dict[str, Any]]] = []
@@ -110,7 +110,7 @@ def knob_changes(cfg: Any) -> list[tuple[str, dict[str, Any]]]:
     return out
 
 
-def what_fits(cfg: Any, vocab_size: int, limit: int, *, first: bool = False) -> list[KnobFit]:
+def what_fits(cfg: TrainConfig, vocab_size: int, limit: int, *, first: bool = False) -> list[KnobFit]:
     """Each knob of :func:`knob_changes` estimated alone (``first``: until one fits); an
     FSDP width is tried only until one fits. An estimate that cannot be made is listed with
     its reason."""

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from perfrun.config import TrainConfig
 from perfrun.loop.memory.estimate import EstimateError, estimate, variant
 from perfrun.loop.memory.fit import advice, gib, parse_size, what_fits
 from perfrun.telemetry.memory_breakdown import one_line
@@ -26,7 +27,7 @@ def device_limit(size: str | None, device: torch.device) -> tuple[int | None, st
     return None, "the CPU (no memory size to fit)"
 
 
-def wanted(cfg: Any, device: torch.device, world: int) -> str | None:
+def wanted(cfg: TrainConfig, device: torch.device, world: int) -> str | None:
     """None when the train log should carry the estimate, else why not."""
     if cfg.memory.estimate is False:
         return "memory.estimate=false"
@@ -39,7 +40,7 @@ def wanted(cfg: Any, device: torch.device, world: int) -> str | None:
     return None
 
 
-def train_preflight(cfg: Any, vocab_size: int, device: torch.device, world: int) -> dict[str, Any] | None:
+def train_preflight(cfg: TrainConfig, vocab_size: int, device: torch.device, world: int) -> dict[str, Any] | None:
     """The estimate's line in the train log, and a warning when it will not fit; the
     estimate for summary.json (``memory_estimate``), None when not made. A ``memory.size``
     that is not a size is refused here, before any work, whether or not an estimate is made."""
@@ -91,7 +92,7 @@ def gpu_check_estimate(device: torch.device, bf16: bool) -> dict[str, Any]:
     return out
 
 
-def auto_batch_start(cfg: Any, vocab_size: int, limit: int, cap: int) -> tuple[int | None, str]:
+def auto_batch_start(cfg: TrainConfig, vocab_size: int, limit: int, cap: int) -> tuple[int | None, str]:
     """Where ``dataloader.batch_size=auto`` starts its search: the largest batch the
     estimate fits into ``limit`` (None, with why, when the estimate cannot be made)."""
     from perfrun.loop.memory.fit import largest_batch

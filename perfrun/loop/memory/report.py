@@ -3,8 +3,7 @@ line, each saying it is an estimate (never a measurement)."""
 
 from __future__ import annotations
 
-from typing import Any
-
+from perfrun.config import TrainConfig
 from perfrun.loop.memory.estimate import Estimate
 from perfrun.loop.memory.fit import gib
 from perfrun.telemetry.memory_tracker import CATEGORIES
@@ -14,7 +13,7 @@ def mib_or_gib(n: float) -> str:
     return gib(n)
 
 
-def describe(cfg: Any, e: Estimate) -> list[str]:
+def describe(cfg: TrainConfig, e: Estimate) -> list[str]:
     """The estimate of ``cfg``: the peak by category and the modules holding most."""
     b = e.breakdown
     knobs = (f"precision={cfg.precision.name} checkpointing={cfg.checkpointing.name} loss={cfg.loss.name}"
