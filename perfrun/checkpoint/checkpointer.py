@@ -30,7 +30,7 @@ from perfrun.checkpoint.files import capture_rng, restore_rng
 from perfrun.checkpoint.resume_search import RunSearch, find_run
 from perfrun.checkpoint.run_lock import remove_temp_files
 from perfrun.checkpoint.stateful import Stateful
-from perfrun.config import ConfigError
+from perfrun.config import CheckpointSaveConfig, ConfigError
 from perfrun.console import first_line
 from perfrun.summary import RunSummary
 
@@ -78,7 +78,7 @@ class Checkpointer:
     Every rank calls every method: saving and resuming are collectives under several ranks.
     """
 
-    def __init__(self, cfg_checkpoint: Any, folder: Path | None, parts: Mapping[str, Stateful],
+    def __init__(self, cfg_checkpoint: CheckpointSaveConfig, folder: Path | None, parts: Mapping[str, Stateful],
                  record: Callable[[dict[str, Any]], None], *,
                  sharded: bool, all_finite: Callable[[], bool], paused: Callable[[], AbstractContextManager[Any]],
                  config: dict[str, Any], seed: int, max_steps: int, search: RunSearch | None = None) -> None:

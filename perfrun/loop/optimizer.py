@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 import torch.nn as nn
 
-from perfrun.config import ConfigError
+from perfrun.config import ConfigError, OptimConfig
 
 
-def build_optimizer(model: nn.Module, cfg_optim: Any, device: torch.device) -> tuple[torch.optim.Optimizer, bool]:
+def build_optimizer(model: nn.Module, cfg_optim: OptimConfig, device: torch.device) -> tuple[torch.optim.Optimizer, bool]:
     """Return the optimizer and whether it uses the fused kernel.
 
     Matrices (linear weights, embeddings) decay; biases and LayerNorm gains do not.
@@ -46,7 +45,7 @@ def lr_factor(step: int, warmup_steps: int, max_steps: int, min_ratio: float) ->
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def build_scheduler(opt: torch.optim.Optimizer, cfg_optim: Any, max_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+def build_scheduler(opt: torch.optim.Optimizer, cfg_optim: OptimConfig, max_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_factor(s, cfg_optim.warmup_steps, max_steps, cfg_optim.min_lr_ratio)
     )

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from perfrun.config import MonitorConfig
 from perfrun.telemetry import nvml as nvml_mod
 from perfrun.telemetry.aggregate import (
     SLOW_STEP_FACTOR,
@@ -44,7 +45,7 @@ class Monitor:
     :meth:`collect`'s record (they are ``None`` in :meth:`summary`).
     """
 
-    def __init__(self, device: torch.device, cfg_monitor: Any, *, nvml_module: Any = None) -> None:
+    def __init__(self, device: torch.device, cfg_monitor: MonitorConfig, *, nvml_module: Any = None) -> None:
         t0 = time.perf_counter()
         self.device = torch.device(device)
         self.interval_s = max(float(cfg_monitor.sample_interval_s), 0.01)

@@ -22,6 +22,7 @@ import psutil
 import torch
 
 from perfrun import distributed
+from perfrun.config import MonitorConfig
 from perfrun.summary import RunSummary
 from perfrun.telemetry.contention import LoadMeter, gpu_starved_pct
 from perfrun.telemetry.monitor import Monitor
@@ -234,7 +235,7 @@ class StepMetrics:
         self.untimed: set[int] = set()  # local indices of steps kept out of the speed figures (a tracked step)
         self.extra: RunSummary = {}  # figures other parts of the loop add to the summary (memory.breakdown)
 
-    def start_monitor(self, cfg_monitor: Any, device: torch.device, stack: ExitStack) -> None:
+    def start_monitor(self, cfg_monitor: MonitorConfig, device: torch.device, stack: ExitStack) -> None:
         """NVML and host sampling in a background thread, when ``monitor.every_n_steps`` > 0."""
         if self.config.monitor_every > 0:
             self.monitor = Monitor(device, cfg_monitor)
