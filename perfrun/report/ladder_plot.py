@@ -133,7 +133,8 @@ def _over_steps(ax_loss: Any, ax_tps: Any, report: Report, a: dict[str, Any]) ->
         label = f"{r.job} {r.ablation['rung']}" + (f" ({apart})" if apart else "")
         for ax, pts in ((ax_loss, loss), (ax_tps, tps)):
             if pts:
-                ax.plot([p for p, _ in pts], [v for _, v in pts], linestyle=style, linewidth=0.8, label=label)
+                ax.plot([p for p, _ in pts], [v for _, v in pts], linestyle=style, linewidth=0.8, label=label,
+                        marker="o" if len(pts) < 3 else None, markersize=3)  # a short (budgeted) job: its points
     ax_loss.set_title("train loss per job", fontsize=9)
     ax_tps.set_title("tokens/s per job over the steps (dashed: contended or outlier, not counted)", fontsize=9)
     ax_loss.set_xlabel("step")
