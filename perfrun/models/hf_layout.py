@@ -106,25 +106,35 @@ def hf_config(model: GPT, vocab_size: int) -> dict[str, Any]:
     }
 
 
-# perfrun's Llama names -> transformers' (the layer index carried over), and back
-LLAMA_NAMES = (
-    (r"wte\.weight", "model.embed_tokens.weight"),
-    (r"blocks\.(\d+)\.attn_norm\.weight", r"model.layers.\1.input_layernorm.weight"),
-    (r"blocks\.(\d+)\.attn\.(q|k|v|o)_proj\.weight", r"model.layers.\1.self_attn.\2_proj.weight"),
-    (r"blocks\.(\d+)\.mlp_norm\.weight", r"model.layers.\1.post_attention_layernorm.weight"),
-    (r"blocks\.(\d+)\.mlp\.(gate|up|down)_proj\.weight", r"model.layers.\1.mlp.\2_proj.weight"),
-    (r"norm\.weight", "model.norm.weight"),
-    (r"lm_head\.weight", "lm_head.weight"),
+# perfrun's Llama names and transformers', one pair each; a slot ({n}: the layer, {qkvo} and
+# {mlp}: the projection) is carried over, so the table reads both ways
+_LLAMA_TEMPLATES = (
+    ("wte.weight", "model.embed_tokens.weight"),
+    ("blocks.{n}.attn_norm.weight", "model.layers.{n}.input_layernorm.weight"),
+    ("blocks.{n}.attn.{qkvo}_proj.weight", "model.layers.{n}.self_attn.{qkvo}_proj.weight"),
+    ("blocks.{n}.mlp_norm.weight", "model.layers.{n}.post_attention_layernorm.weight"),
+    ("blocks.{n}.mlp.{mlp}_proj.weight", "model.layers.{n}.mlp.{mlp}_proj.weight"),
+    ("norm.weight", "model.norm.weight"),
+    ("lm_head.weight", "lm_head.weight"),
 )
-HF_LLAMA_NAMES = (
-    (r"model\.embed_tokens\.weight", "wte.weight"),
-    (r"model\.layers\.(\d+)\.input_layernorm\.weight", r"blocks.\1.attn_norm.weight"),
-    (r"model\.layers\.(\d+)\.self_attn\.(q|k|v|o)_proj\.weight", r"blocks.\1.attn.\2_proj.weight"),
-    (r"model\.layers\.(\d+)\.post_attention_layernorm\.weight", r"blocks.\1.mlp_norm.weight"),
-    (r"model\.layers\.(\d+)\.mlp\.(gate|up|down)_proj\.weight", r"blocks.\1.mlp.\2_proj.weight"),
-    (r"model\.norm\.weight", "norm.weight"),
-    (r"lm_head\.weight", "lm_head.weight"),
-)
+_SLOTS = {"{n}": r"(\d+)", "{qkvo}": "(q|k|v|o)", "{mlp}": "(gate|up|down)"}
+
+
+def _direction(source: int) -> tuple[tuple[str, str], ...]:
+    """(pattern, replacement) pairs from the templates' ``source`` side to the other."""
+    pairs = []
+    for templates in _LLAMA_TEMPLATES:
+        pattern, replacement = re.escape(templates[source]), templates[1 - source]
+        present = sorted((slot for slot in _SLOTS if slot in templates[source]), key=templates[source].find)
+        for i, slot in enumerate(present, 1):  # groups numbered in the order the source names them
+            pattern = pattern.replace(re.escape(slot), _SLOTS[slot])
+            replacement = replacement.replace(slot, f"\\{i}")
+        pairs.append((pattern, replacement))
+    return tuple(pairs)
+
+
+LLAMA_NAMES = _direction(0)  # perfrun's -> transformers'
+HF_LLAMA_NAMES = _direction(1)  # transformers' -> perfrun's
 
 
 def _rename(name: str, pairs: tuple[tuple[str, str], ...]) -> str | None:
