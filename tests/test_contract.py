@@ -100,7 +100,8 @@ def test_the_ladder_skips_a_rung_the_model_cannot_take_and_turns_inherited_ones_
     assert sdpa.skip is not None and "config.attention" in sdpa.skip
     cfg = make_cfg(*CUSTOM, "+ablation=without_compile")  # the top rung holds loss=chunked from below
     kept = decide(cfg)
-    assert kept.skip is None and kept.turned_off == ["loss=standard"] and cfg.loss.name == "standard"
+    assert kept.skip is None and kept.turned_off == ["loss=standard"] and kept.config.loss.name == "standard"
+    assert cfg.loss.name == "chunked"  # the configuration given is left as it was
     gpt = decide(make_cfg("+ablation=chunked_loss"))
     assert gpt.skip is None and gpt.turned_off == []
 

@@ -45,6 +45,7 @@ TURN_OFF = {"loss": ("loss", {"name": "standard"}, "loss=standard"),
 class Decision:
     """A rung's fate on this device and model: skipped (with why), or run with ``turned_off``."""
 
+    config: TrainConfig  # the job's configuration, with what the model cannot take turned off
     skip: str | None = None
     turned_off: list[str] = field(default_factory=list)  # overrides, e.g. "loss=standard"
 
@@ -56,7 +57,7 @@ def decide(cfg: TrainConfig) -> Decision:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if not on_device:
-        return Decision(skip=f"not applicable on {device_kind(cfg.device)}: {cfg.ablation.why}")
+        return Decision(cfg, skip=f"not applicable on {device_kind(cfg.device)}: {cfg.ablation.why}")
     from perfrun.models.build import shape_only
     from perfrun.models.contract import knob_fits, missing
 
@@ -64,12 +65,13 @@ def decide(cfg: TrainConfig) -> Decision:
     own = RUNG_NEEDS.get(cfg.ablation.knob or cfg.ablation.rung)
     why = missing(model, own[1], own[0]) if own else None
     if why is not None:
-        return Decision(skip=f"not applicable to model {cfg.model.name}: {why}")
-    decision = Decision()
+        return Decision(cfg, skip=f"not applicable to model {cfg.model.name}: {why}")
+    decision = Decision(cfg)
     for fit in (f for f in knob_fits(model, cfg) if not f.applies):
         if fit.refused and fit.key in TURN_OFF:
             piece, values, override = TURN_OFF[fit.key]
-            setattr(cfg, piece, dataclasses.replace(getattr(cfg, piece), **values))
+            changed = dataclasses.replace(getattr(decision.config, piece), **values)
+            decision.config = dataclasses.replace(decision.config, **{piece: changed})
             decision.turned_off.append(override)
             log.info(f"rung {cfg.ablation.rung}: {override} here ({fit.reason})")
     return decision
@@ -91,17 +93,19 @@ def skip(cfg: TrainConfig, run_dir: Path | None, overrides: list[str], reason: s
 
 
 def run_rung(cfg: TrainConfig, run_dir: Path | None, *, overrides: list[str], search: RunSearch | None = None,
-             sweep_args: Sequence[str] = ()) -> RunSummary:
-    """One rung's job in this process: skipped, or trained with what the model cannot take off."""
+             sweep_args: Sequence[str] = (), decision: Decision | None = None) -> RunSummary:
+    """One rung's job in this process: skipped, or trained with what the model cannot take off
+    (``decision``: :func:`decide`'s answer for ``cfg`` where the caller has it already)."""
     from perfrun.distributed import rank
     from perfrun.knobs import KnobRefused
     from perfrun.loop.run import run
 
-    decision = decide(cfg)
+    decision = decision if decision is not None else decide(cfg)
     mine = run_dir if rank() == 0 else None
     if decision.skip is not None:
         return skip(cfg, mine, overrides, decision.skip)
     try:
-        return run(cfg, run_dir, overrides=[*overrides, *decision.turned_off], search=search, sweep_args=sweep_args)
+        return run(decision.config, run_dir, overrides=[*overrides, *decision.turned_off], search=search,
+                   sweep_args=sweep_args)
     except KnobRefused as e:
         return skip(cfg, mine, overrides, f"not applicable to model {cfg.model.name}: {e.reason}")

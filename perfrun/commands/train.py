@@ -339,6 +339,8 @@ def _run_app(args: list[str], search_root: Path | None) -> int:
             if hc.mode == RunMode.MULTIRUN:
                 if _measured_before(config, run_dir, overrides):
                     return
+                config = _with_planned_budget(config, Path(hc.sweep.dir))
+            decision = None
             if config.ablation.rung and world_size() == 1:  # a ladder rung: skipped where its knob cannot act
                 from perfrun.commands.rungs import decide, skip
 
@@ -346,10 +348,9 @@ def _run_app(args: list[str], search_root: Path | None) -> int:
                 if decision.skip is not None:
                     skip(config, run_dir, overrides, decision.skip)
                     return
-                overrides = [*overrides, *decision.turned_off]
-            if hc.mode == RunMode.MULTIRUN:
-                config = _with_planned_budget(config, Path(hc.sweep.dir))
             if config.distributed in PARALLEL and config.nproc > 1 and world_size() == 1:
+                if decision is not None:  # the ranks start with what the model cannot take turned off
+                    config, overrides = decision.config, [*overrides, *decision.turned_off]
                 code = run_sweep_job_on_ranks(config, overrides, run_dir, sweep_args=args, search_root=search_root)
                 if code in (130, 143):  # the ranks were stopped by a signal: so is the sweep
                     raise SystemExit(code)
@@ -362,7 +363,8 @@ def _run_app(args: list[str], search_root: Path | None) -> int:
                     if config.ablation.rung:
                         from perfrun.commands.rungs import run_rung
 
-                        run_rung(config, run_dir, overrides=overrides, search=search, sweep_args=args)
+                        run_rung(config, run_dir, overrides=overrides, search=search, sweep_args=args,
+                                 decision=decision)
                     else:
                         run(config, run_dir, overrides=overrides, search=search, sweep_args=args)
                 finally:
