@@ -32,12 +32,15 @@ class Diverged(RuntimeError):
 class GracefulStop:
     """First SIGINT or SIGTERM: finish the current step, then stop (the loop asks
     ``requested``). A second SIGINT stops at once (KeyboardInterrupt). Handlers are
-    restored on exit, so a sweep's next job, or the caller, gets its own back."""
+    restored on exit, so a sweep's next job, or the caller, gets its own back. The handler
+    only records the signal: what it says is logged by the loop's next call, since a handler
+    that writes could land inside a write to the same stream (a reentrant-call error)."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self) -> None:
         self.signum: int | None = None
+        self._said = False
         self._previous: dict[int, Any] = {}
 
     @property
@@ -47,6 +50,7 @@ class GracefulStop:
     def agreed(self) -> bool:
         """Called after every step: True on every rank once one rank got a signal, so that
         all stop at the same step (a host-side flag: no GPU synchronisation)."""
+        self._announce()
         return distributed.any_rank(self.requested)
 
     def stop_signal(self) -> int:
@@ -55,6 +59,7 @@ class GracefulStop:
 
     def refuse_during_setup(self) -> None:
         """A signal during setup stops the run there: there is nothing to save yet."""
+        self._announce()
         if self.signum is not None:
             raise Interrupted(self.signum, f"stopped by {signal.Signals(self.signum).name} during setup, before step 1")
 
@@ -62,8 +67,13 @@ class GracefulStop:
         if self.signum is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.signum = signum
-        log.warning(f"{signal.Signals(signum).name} received: stopping after this step and saving a checkpoint"
-                    + (" (Ctrl-C again to stop at once)" if signum == signal.SIGINT else ""))
+
+    def _announce(self) -> None:
+        if self.signum is None or self._said:
+            return
+        self._said = True
+        log.warning(f"{signal.Signals(self.signum).name} received: stopping after this step and saving a checkpoint"
+                    + (" (Ctrl-C again to stop at once)" if self.signum == signal.SIGINT else ""))
 
     def __enter__(self) -> GracefulStop:
         if threading.current_thread() is threading.main_thread():
