@@ -25,7 +25,9 @@ median, and what the machine did meanwhile: the load average, and the share of t
 that other processes used during the pairs (psutil), with the busiest of them named.
 
 ``--calls`` instead counts, per step of each side, the Python calls (cProfile) and the aten
-operators dispatched (deterministic both, so valid on a busy machine): each side runs in one
+operators dispatched (deterministic both, so valid on a busy machine), and the pages the
+step faulted in with the kernel CPU time they cost (getrusage, unprofiled runs of their
+own; the faults depend on the C heap's state, not on the machine's load): each side runs in one
 process at ``S`` and ``2S`` steps after an unprofiled warm run, and the difference over ``S``
 steps is the per-step count; the functions with the most calls per step, and the operators
 perfrun runs more often than the plain loop, are listed. The monitor's sampler thread is not
@@ -45,6 +47,7 @@ import math
 import os
 import pstats
 import random
+import resource
 import subprocess
 import sys
 import tempfile
@@ -170,8 +173,14 @@ def calls_per_step(side: str, steps: int, overrides: list[str]) -> dict[str, Any
     step of one side: runs of S and 2S steps after a warm run; the difference over S steps
     (setup and the end's evaluation cancel out)."""
     one_side(side, compose_cfg(steps, 0, overrides), 0)  # imports, caches, lazy initialisation
-    calls, ops = [], []
+    calls, ops, faults = [], [], []
     for n in (steps, 2 * steps):
+        cfg = compose_cfg(n, 0, overrides)
+        before = resource.getrusage(resource.RUSAGE_SELF)
+        one_side(side, cfg, 0)
+        after = resource.getrusage(resource.RUSAGE_SELF)
+        faults.append({"minor_faults": after.ru_minflt - before.ru_minflt,
+                       "kernel_cpu_ms": 1000 * (after.ru_stime - before.ru_stime)})
         prof = cProfile.Profile()
         cfg = compose_cfg(n, 0, overrides)
         prof.enable()
@@ -182,7 +191,9 @@ def calls_per_step(side: str, steps: int, overrides: list[str]) -> dict[str, Any
             one_side(side, compose_cfg(n, 0, overrides), 0)
         ops.append(dict(mode.counts))
     per_call, per_op = per_step(*calls, steps), per_step(*ops, steps)
+    fault = {k: (faults[1][k] - faults[0][k]) / steps for k in faults[0]}
     return {"calls_per_step": sum(per_call.values()), "top": dict(list(per_call.items())[:30]),
+            "minor_faults_per_step": fault["minor_faults"], "kernel_cpu_ms_per_step": fault["kernel_cpu_ms"],
             "aten_ops_per_step": sum(per_op.values()), "aten_ops": per_op}
 
 
@@ -309,7 +320,7 @@ def show(name: str, r: dict[str, Any]) -> str:
 
     m = r["machine"]
     share = m["others_cpu_share_pct"]
-    return (f"{name:<16} {len(r['pairs']):>5} {r['median_ratio']:>8.3f} {ci(r['ci95_sign_test']):>16} "
+    return (f"{name:<20} {len(r['pairs']):>5} {r['median_ratio']:>8.3f} {ci(r['ci95_sign_test']):>16} "
             f"{ci(r['ci95_bootstrap']):>16} {m['load_avg_1m']['min']:>5.1f}-{m['load_avg_1m']['max']:<5.1f} "
             f"{'n/a' if share is None else format(share, '.0f') + '%':>7}  {', '.join(m['busiest_others'])}")
 
@@ -363,7 +374,10 @@ def main(argv: list[str] | None = None) -> int:
             row = {s: spawn(s, args, [*overrides, *args.overrides], calls=True) for s in ("perfrun", "plain")}
             print(f"{name}: per step, perfrun / plain: Python calls {row['perfrun']['calls_per_step']:,.0f} / "
                   f"{row['plain']['calls_per_step']:,.0f}, aten operators {row['perfrun']['aten_ops_per_step']:,.0f} / "
-                  f"{row['plain']['aten_ops_per_step']:,.0f}", flush=True)
+                  f"{row['plain']['aten_ops_per_step']:,.0f}, page faults {row['perfrun']['minor_faults_per_step']:,.0f} / "
+                  f"{row['plain']['minor_faults_per_step']:,.0f}, kernel CPU ms "
+                  f"{row['perfrun']['kernel_cpu_ms_per_step']:.1f} / {row['plain']['kernel_cpu_ms_per_step']:.1f}",
+                  flush=True)
             more = {k: v - row["plain"]["aten_ops"].get(k, 0) for k, v in row["perfrun"]["aten_ops"].items()}
             print("  operators perfrun runs more often: " + (", ".join(
                 f"{k} +{v:g}" for k, v in sorted(more.items(), key=lambda kv: -kv[1]) if v > 0) or "none"))
@@ -375,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.calls:
         print(f"steps {args.steps}, warm-up {args.warmup}, threads {args.threads}, torch {torch.__version__}; "
               f"ratio = perfrun / plain tokens/s per pair")
-        print(f"{'config':<16} {'pairs':>5} {'median':>8} {'95% sign test':>16} {'95% bootstrap':>16} "
+        print(f"{'config':<20} {'pairs':>5} {'median':>8} {'95% sign test':>16} {'95% bootstrap':>16} "
               f"{'load':>11} {'others':>7}  busiest others")
         for name, row in result["configs"].items():
             print(show(name, row))

@@ -1,0 +1,62 @@
+"""The C heap a CPU step allocates its tensors from: glibc's thresholds fixed at the values
+its own dynamic rule moves toward, so that a step reuses the memory the last step freed
+instead of handing it back to the kernel and faulting it in again, page by page.
+
+glibc serves an allocation above its mmap threshold with a fresh mapping, and trims the top
+of its heap when more than its trim threshold lies free there; both start low (128 KiB) and
+rise only as chunks of the right size happen to be freed, so how many pages a step faults in
+depends on what the process did before the loop. Counted by ``scripts/bench_train.py
+--calls`` (see BENCHMARKS.md): a 4x256 GPT step faulted in several times the pages of the
+same step in a plain loop's process, and the kernel time of those faults was the step's gap.
+Fixed, the heap keeps what a step frees (up to the trim threshold) and the count no longer
+depends on the process's history. A CPU run's summary says what was set (``host_heap``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+from typing import Any
+
+# mallopt's parameter numbers (glibc's malloc.h) and the largest mmap threshold its dynamic
+# rule reaches on a 64-bit machine (DEFAULT_MMAP_THRESHOLD_MAX); the dynamic trim threshold
+# is twice the mmap threshold.
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+MMAP_THRESHOLD = 32 * 2**20
+TRIM_THRESHOLD = 2 * MMAP_THRESHOLD
+_USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
+_OTHER_ALLOCATORS = ("jemalloc", "tcmalloc", "mimalloc")
+
+_done: dict[str, Any] | None = None  # set once per process: the thresholds are the process's
+
+
+def keep_freed_memory() -> dict[str, Any]:
+    """Fix glibc's mmap and trim thresholds (once per process); return what was done and why,
+    for summary.json. Left alone where the user chose: another allocator preloaded, or
+    glibc's ``MALLOC_*`` settings in the environment; and where the C library is not glibc."""
+    global _done
+    if _done is None:
+        _done = _fix_thresholds()
+    return _done
+
+
+def _fix_thresholds() -> dict[str, Any]:
+    preload = os.environ.get("LD_PRELOAD", "")
+    other = next((a for a in _OTHER_ALLOCATORS if a in preload), None)
+    if other:
+        return {"set": False, "why": f"{other} is preloaded (LD_PRELOAD): its own caching applies"}
+    chosen = [k for k in _USER_SETTINGS if k in os.environ]
+    if chosen:
+        return {"set": False, "why": f"glibc's settings are in the environment ({', '.join(chosen)})"}
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        version = libc.gnu_get_libc_version
+    except (OSError, AttributeError):
+        return {"set": False, "why": "the C library is not glibc"}
+    version.restype = ctypes.c_char_p
+    ok = libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
+    if not ok:
+        return {"set": False, "why": "glibc's mallopt refused the thresholds"}
+    return {"set": True, "allocator": f"glibc {version().decode()}",
+            "mmap_threshold_mib": MMAP_THRESHOLD // 2**20, "trim_threshold_mib": TRIM_THRESHOLD // 2**20}
