@@ -40,6 +40,8 @@ COMPLETION_FLAGS = ("-sc", "--shell-completion")
 CONFIG_ROOM = 64 * 1024  # bytes a run dir must take before the job starts: Hydra's .hydra/*.yaml and more
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from omegaconf import DictConfig
 
 log = logging.getLogger("perfrun")
@@ -222,7 +224,9 @@ def train_main(args: list[str]) -> int:
             return 2
         root = None if redirect else _template_root(composed.hydra.run)  # a pinned run dir has none
         with undone_if_refused(run_dir):  # a refused job leaves a run dir that holds a run as it was
-            return launch_ranks(args + redirect, int(nproc)) if several else _run_app(args + redirect, root)
+            if several:
+                return launch_ranks(args + redirect, int(nproc))
+            return _run_composed(args + redirect, composed, redirect, root)
     if world == 1 and several and not _multirun(args):  # a sweep's jobs start their own torchrun
         return launch_ranks(args, int(nproc))
     if world > 1:
@@ -313,17 +317,52 @@ def _contents(run_dir: Path) -> str:
 
 
 def _run_app(args: list[str], search_root: Path | None) -> int:
-    """The Hydra app, with ``args`` as its command line; ``search_root``: where ``resume=auto``
-    looks for the run a job continues (None: nowhere but the job's own run dir)."""
+    """The Hydra app, with ``args`` as its command line: Hydra composes the configuration
+    (once per job of a sweep); ``search_root``: where ``resume=auto`` looks for the run a
+    job continues (None: nowhere but the job's own run dir)."""
+    from perfrun.commands.hydra_app import run_hydra
+    from perfrun.config import register_configs
+
+    register_configs()
+    failed: list[str] = []  # the sweep's jobs that failed in this process
+    sweep_dir = None
+    if _multirun(args):  # resolved once, here, so that the sweep's jobs can be read back from it
+        try:
+            sweep_dir = hydra_dirs(args)[1]
+            args = [*args, f"hydra.sweep.dir={quoted(sweep_dir)}"]
+        except Exception:  # noqa: BLE001 - a bad hydra.* override: Hydra reports it just below
+            sweep_dir = None
+    from perfrun.commands.sweep_jobs import stops_cleanly
+
+    with stops_cleanly(sweep_dir):
+        run_hydra("train", args, _app(args, search_root, failed))
+    failed = _failed_jobs(failed, sweep_dir)
+    if failed:
+        error(f"{len(failed)} job(s) of the sweep failed: " + "; ".join(failed))
+        return 1
+    return 0
+
+
+def _run_composed(args: list[str], composed: DictConfig, redirect: list[str], search_root: Path | None) -> int:
+    """A plain run of the configuration the preflight composed (``args``: its command line,
+    ``redirect``: the resume=auto run dir, applied to it as Hydra applies an override),
+    through Hydra's own job machinery, so that it is not composed again."""
+    from perfrun.commands.hydra_app import run_composed, with_hydra_overrides
+    from perfrun.commands.sweep_jobs import stops_cleanly
+
+    with stops_cleanly(None):
+        run_composed("train", with_hydra_overrides(composed, redirect), _app(args, search_root, []))
+    return 0
+
+
+def _app(args: list[str], search_root: Path | None, failed: list[str]) -> Callable[[DictConfig], None]:
+    """The job Hydra calls with each configuration: a sweep job's failure is added to
+    ``failed``; a single run's ends the process (SystemExit) with its exit code."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
     from perfrun.checkpoint.resume_search import RunSearch, job_config
-    from perfrun.commands.hydra_app import run_hydra
-    from perfrun.config import ConfigError, register_configs
-
-    register_configs()
-    failed: list[str] = []  # the sweep's jobs that failed in this process
+    from perfrun.config import ConfigError
 
     def app(cfg: DictConfig) -> None:
         # the trainer (and torch) is imported by a job, never by --help, --cfg or --info
@@ -379,22 +418,7 @@ def _run_app(args: list[str], search_root: Path | None) -> int:
             error(str(e))
             raise SystemExit(e.exit_code) from None  # a stop request ends the sweep too
 
-    sweep_dir = None
-    if _multirun(args):  # resolved once, here, so that the sweep's jobs can be read back from it
-        try:
-            sweep_dir = hydra_dirs(args)[1]
-            args = [*args, f"hydra.sweep.dir={quoted(sweep_dir)}"]
-        except Exception:  # noqa: BLE001 - a bad hydra.* override: Hydra reports it just below
-            sweep_dir = None
-    from perfrun.commands.sweep_jobs import stops_cleanly
-
-    with stops_cleanly(sweep_dir):
-        run_hydra("train", args, app)
-    failed = _failed_jobs(failed, sweep_dir)
-    if failed:
-        error(f"{len(failed)} job(s) of the sweep failed: " + "; ".join(failed))
-        return 1
-    return 0
+    return app
 
 
 def _measured_before(cfg: TrainConfig, run_dir: Path, overrides: list[str]) -> bool:
