@@ -24,6 +24,7 @@ from perfrun.commands.launch import (
     arg_value,
     dir_overrides,
     hydra_dirs,
+    hydra_node,
     join_rank_group,
     launch_ranks,
     quoted,
@@ -37,6 +38,7 @@ from perfrun.console import composition_error, error, first_line, stderr_console
 
 PARALLEL = ("ddp", "fsdp")  # the distributed= values that run one process per GPU
 COMPLETION_FLAGS = ("-sc", "--shell-completion")
+HYDRA_ANSWERS = ("-h", "--help", "--hydra-help", "--version", "-c", "--cfg", "-i", "--info")  # no job runs
 CONFIG_ROOM = 64 * 1024  # bytes a run dir must take before the job starts: Hydra's .hydra/*.yaml and more
 
 if TYPE_CHECKING:
@@ -239,6 +241,8 @@ def train_main(args: list[str]) -> int:
             return _run_app(args + join_rank_group(args, config), given_root or _search_root(args))
         finally:
             dist.destroy()
+    if _multirun(args) or _answered_by_hydra(args):  # a sweep's root is read with its folder; no job, no root
+        return _run_app(args, given_root)
     return _run_app(args, given_root or _search_root(args))
 
 
@@ -316,10 +320,16 @@ def _contents(run_dir: Path) -> str:
                      if not p.name.startswith("."))
 
 
+def _answered_by_hydra(args: list[str]) -> bool:
+    """Hydra's flags that it answers without running a job (--help, --cfg, --info...)."""
+    return any(a in HYDRA_ANSWERS or a.startswith(("--cfg=", "--info=")) for a in args)
+
+
 def _run_app(args: list[str], search_root: Path | None) -> int:
     """The Hydra app, with ``args`` as its command line: Hydra composes the configuration
     (once per job of a sweep); ``search_root``: where ``resume=auto`` looks for the run a
-    job continues (None: nowhere but the job's own run dir)."""
+    job continues (None: nowhere but the job's own run dir; in a sweep, the fixed part of
+    the sweep dir's template)."""
     from perfrun.commands.hydra_app import run_hydra
     from perfrun.config import register_configs
 
@@ -328,7 +338,9 @@ def _run_app(args: list[str], search_root: Path | None) -> int:
     sweep_dir = None
     if _multirun(args):  # resolved once, here, so that the sweep's jobs can be read back from it
         try:
-            sweep_dir = hydra_dirs(args)[1]
+            node = hydra_node(args)
+            sweep_dir = str(node.sweep.dir)
+            search_root = search_root or _template_root(node.sweep)  # read before the sweep dir is pinned
             args = [*args, f"hydra.sweep.dir={quoted(sweep_dir)}"]
         except Exception:  # noqa: BLE001 - a bad hydra.* override: Hydra reports it just below
             sweep_dir = None
