@@ -1,6 +1,9 @@
-"""``perfrun train``: hands the rest of the command line to a real Hydra app, so ``-m``,
-``--cfg job``, ``--help``, ``--info`` and shell completion all work; what several
-processes need (torchrun, one run dir for every rank) is in :mod:`perfrun.commands.launch`.
+"""``perfrun train``: a plain run composes its configuration once, to check it (one line for
+a mistake) and find its run dir (``resume=auto``), and runs that composition through Hydra's
+own job machinery (:func:`perfrun.commands.hydra_app.run_composed`); anything with a flag
+(``-m``, ``--cfg job``, ``--help``, ``--info``, shell completion) goes to a real Hydra app
+with the rest of the command line. What several processes need (torchrun, one run dir for
+every rank) is in :mod:`perfrun.commands.launch`.
 Hydra's completion script calls ``perfrun -sc query=bash`` with the whole line in
 COMP_LINE; the ``train`` word is removed from it here, since Hydra knows no subcommands,
 and the answer is composed without importing the trainer (no torch), so a Tab is quick.
@@ -49,9 +52,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("perfrun")
 
 def _preflight(args: list[str]) -> tuple[str | None, DictConfig | None]:
-    """Compose a single run's configuration before Hydra does, so that a wrong option,
-    key or type gets one line instead of Hydra's page. Flags (``-m``, ``--cfg``...) and
-    sweeps are left to Hydra, which reports those errors itself.
+    """Compose a single run's configuration, the one its job runs (with its ``hydra`` node),
+    so that a wrong option, key or type gets one line instead of Hydra's page. Flags
+    (``-m``, ``--cfg``...) and sweeps are left to Hydra, which reports those errors itself.
 
     Returns (the problem or None, the composed configuration or None)."""
     if any(a.startswith("-") for a in args):
