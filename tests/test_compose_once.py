@@ -99,3 +99,10 @@ def test_resume_auto_continues_another_run_dir_from_the_one_composition(
     assert h["run"]["dir"] == "outputs/first" and h["runtime"]["output_dir"] == str(first)
     assert h["overrides"]["hydra"] == ["hydra.run.dir='outputs/first'", "hydra.mode=RUN"]
     assert h["overrides"]["task"] == [*QUICK, "max_steps=3", "resume=auto"]
+
+
+def test_what_hydra_answers_without_a_job_composes_once(compositions: list[list[str]],
+                                                        capfd: pytest.CaptureFixture[str]) -> None:
+    assert train("--cfg", "job", "max_steps=3") == 0
+    assert "max_steps: 3" in capfd.readouterr().out
+    assert compositions == [["max_steps=3"]]  # Hydra's own; no search for a run no job continues
