@@ -378,6 +378,9 @@ def _app(args: list[str], search_root: Path | None, failed: list[str]) -> Callab
 
     from perfrun.checkpoint.resume_search import RunSearch, job_config
     from perfrun.config import ConfigError
+    from perfrun.loop.found_batches import FoundBatches
+
+    found = FoundBatches()  # a sweep's repeats of one job reuse its batch search (batch_size=auto)
 
     def app(cfg: DictConfig) -> None:
         # the trainer (and torch) is imported by a job, never by --help, --cfg or --info
@@ -418,9 +421,9 @@ def _app(args: list[str], search_root: Path | None, failed: list[str]) -> Callab
                         from perfrun.commands.rungs import run_rung
 
                         run_rung(config, run_dir, overrides=overrides, search=search, sweep_args=args,
-                                 decision=decision)
+                                 decision=decision, found=found)
                     else:
-                        run(config, run_dir, overrides=overrides, search=search, sweep_args=args)
+                        run(config, run_dir, overrides=overrides, search=search, sweep_args=args, found=found)
                 finally:
                     log.info(f"run dir {shown_path(run_dir)}: {_contents(run_dir)}")
         except (ConfigError, RunFailed) as e:
