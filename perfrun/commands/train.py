@@ -396,7 +396,7 @@ def _app(args: list[str], search_root: Path | None, failed: list[str]) -> Callab
             if hc.mode == RunMode.MULTIRUN:
                 if _measured_before(config, run_dir, overrides):
                     return
-                config = _with_planned_budget(config, Path(hc.sweep.dir))
+                config = _breakdown_in_repeat_0(_with_planned_budget(config, Path(hc.sweep.dir)))
             decision = None
             if config.ablation.rung and world_size() == 1:  # a ladder rung: skipped where its knob cannot act
                 from perfrun.commands.rungs import decide, skip
@@ -462,6 +462,17 @@ def _with_planned_budget(cfg: TrainConfig, sweep_dir: Path) -> TrainConfig:
         return cfg
     log.info(f"rung {cfg.ablation.rung or '?'}: measured within a {planned[0]:g} s budget ({planned[1]})")
     return replace(cfg, ablation=replace(cfg.ablation, budget_s=planned[0]))
+
+
+def _breakdown_in_repeat_0(cfg: TrainConfig) -> TrainConfig:
+    """A ladder rung's memory breakdown (one step under torch's memory tracker, seconds on a
+    CPU) is taken in its repeat 0 only: one step's memory is the same in every repeat, and
+    the report reads each rung's breakdown from the jobs that have one."""
+    if not (cfg.memory.breakdown and cfg.ablation.rung and cfg.repeat > 0):
+        return cfg
+    log.info(f"rung {cfg.ablation.rung}: memory breakdown taken in repeat 0 (one step's memory is the same in every "
+             "repeat)")
+    return replace(cfg, memory=replace(cfg.memory, breakdown=False))
 
 
 def shell_completion(args: list[str]) -> int:

@@ -14,7 +14,7 @@ log = logging.getLogger("perfrun")
 
 
 class FoundBatches:
-    """Search results by configuration (without the repeat's number) and device; each
+    """Search results by configuration (:meth:`key`) and device; each
     reused result names the job whose search found it (``searched_by`` in summary.json)."""
 
     def __init__(self) -> None:
@@ -22,8 +22,11 @@ class FoundBatches:
 
     @staticmethod
     def key(config: dict[str, Any], device: object) -> str:
-        return json.dumps([str(device), {k: v for k, v in config.items() if k != "repeat"}], sort_keys=True,
-                          default=str)
+        """The configuration on this device, without what differs between repeats and does not
+        change a step's memory: the repeat's number, and whether repeat 0 tracked the memory."""
+        memory = {k: v for k, v in (config.get("memory") or {}).items() if k != "breakdown"}
+        kept = {k: v for k, v in config.items() if k not in ("repeat", "memory")}
+        return json.dumps([str(device), kept, memory], sort_keys=True, default=str)
 
     def reuse_or_search(self, key: str, search: Callable[[], dict[str, Any]], job: str) -> dict[str, Any]:
         """The search's notes for this configuration: an earlier job's (``search_s`` 0), else
