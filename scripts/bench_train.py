@@ -24,6 +24,10 @@ order statistics of the ratios; it needs 6 pairs) and by a percentile bootstrap 
 median, and what the machine did meanwhile: the load average, and the share of the CPUs
 that other processes used during the pairs (psutil), with the busiest of them named.
 
+``--plain-heap perfrun`` gives the plain loop the C heap thresholds a perfrun CPU run fixes
+(perfrun/loop/host_heap.py), so that the ratio is the step's alone; by default the plain loop
+runs with glibc's defaults, as a user's script would.
+
 ``--calls`` instead counts, per step of each side, the Python calls (cProfile) and the aten
 operators dispatched (deterministic both, so valid on a busy machine), and the pages the
 step faulted in with the kernel CPU time they cost (getrusage, unprofiled runs of their
@@ -200,6 +204,10 @@ def calls_per_step(side: str, steps: int, overrides: list[str]) -> dict[str, Any
 def child(args: argparse.Namespace) -> int:
     """``--one SIDE``: set the threads, run one side, print one JSON line."""
     torch.set_num_threads(args.threads)
+    if args.one == "plain" and args.plain_heap == "perfrun":
+        from perfrun.loop.host_heap import keep_freed_memory
+
+        keep_freed_memory()  # the C heap's thresholds as a perfrun CPU run sets them (perfrun/loop/host_heap.py)
     if args.calls:
         out = calls_per_step(args.one, args.steps, args.overrides)
     else:
@@ -215,6 +223,7 @@ def spawn(side: str, args: argparse.Namespace, overrides: list[str], *, calls: b
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads),
            "TTY_COMPATIBLE": "1", "COLUMNS": "120", "PYTHONHASHSEED": "0"}  # the bar as a terminal renders it
     cmd = [sys.executable, str(Path(__file__).resolve()), "--one", side, "--threads", str(args.threads),
+           "--plain-heap", args.plain_heap,
            "--steps", str(args.steps), "--warmup", str(args.warmup), *(["--calls"] if calls else []), *overrides]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True)
     line = res.stdout.rpartition("BENCH_TRAIN ")[2].split("\n", 1)[0] if "BENCH_TRAIN " in res.stdout else None
@@ -335,6 +344,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--configs", default="tiny-*",
                     help=f"comma-separated names or globs of {', '.join(CONFIGS)}; 'custom': the overrides alone")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch and OpenMP threads, both sides")
+    ap.add_argument("--plain-heap", choices=("system", "perfrun"), default="system",
+                    help="the plain loop's C heap: glibc's defaults as a user's script has them (system), or the "
+                         "thresholds a perfrun CPU run fixes (perfrun): the step alone, the heap's effect set apart")
     ap.add_argument("--calls", action="store_true", help="count Python calls per step instead of timing")
     ap.add_argument("--json", type=Path, help="also write the figures here (after every configuration)")
     ap.add_argument("--one", choices=("perfrun", "plain"), help=argparse.SUPPRESS)
@@ -368,6 +380,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     result: dict[str, Any] = {"torch": torch.__version__, "threads": args.threads, "steps": args.steps,
+                              "plain_heap": args.plain_heap,
                               "warmup": args.warmup, "base": args.overrides, "configs": {}}
     for name, overrides in configs.items():
         if args.calls:
@@ -387,7 +400,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             args.json.write_text(json.dumps(result, indent=2, default=str))
     if not args.calls:
-        print(f"steps {args.steps}, warm-up {args.warmup}, threads {args.threads}, torch {torch.__version__}; "
+        print(f"steps {args.steps}, warm-up {args.warmup}, threads {args.threads}, plain loop's heap {args.plain_heap}, "
+              f"torch {torch.__version__}; "
               f"ratio = perfrun / plain tokens/s per pair")
         print(f"{'config':<20} {'pairs':>5} {'median':>8} {'95% sign test':>16} {'95% bootstrap':>16} "
               f"{'load':>11} {'others':>7}  busiest others")
