@@ -97,7 +97,7 @@ def test_a_sweep_of_distributed_jobs_starts_torchrun_per_job(
     """nproc=1,2: each job with nproc > 1 starts its own torchrun into its job folder. The
     jobs use loss=chunked, so the 2-rank job also shows the chunked loss under DDP training
     as loss=standard does in one process with the same global batch (a torchrun start fewer
-    than a run of its own; test_speed_knobs.py holds the FSDP2 case)."""
+    than a run of its own; test_fsdp.py's 2-rank run holds the FSDP2 case)."""
     assert launch("train", "-m", *COMMON, "distributed=ddp", "nproc=1,2", "dataloader.batch_size=2",
                   "checkpoint.at_end=false", "profile=true", "profiler.start_step=1", "profiler.warmup=0",
                   "profiler.active=1", *CHUNKED, cwd=tmp_path) == 0

@@ -43,12 +43,17 @@ STEPS = 6
 COMMON = RANKS_COMMON  # 6 steps of the tiny model, 2 micro-steps
 
 
+CHUNKED = ["loss=chunked", "loss.chunk_size=24"]  # 2 x 32 = 64 rows per rank: 3 chunks, the last one short
+
+
 @pytest.fixture(scope="module")
 def fsdp_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """2 ranks x batch 2 x 2 micro-steps, through ``perfrun train distributed=fsdp nproc=2``
-    (the launcher in this process; torchrun and the ranks are real processes)."""
+    (the launcher in this process; torchrun and the ranks are real processes), with the
+    chunked loss: held to one process with the standard loss, it shows both FSDP2 and the
+    chunked loss under FSDP2 (DDP's case is test_distributed.py's sweep)."""
     run_dir = tmp_path_factory.mktemp("fsdp") / "run"
-    assert launch("train", *COMMON, "distributed=fsdp", "nproc=2", "dataloader.batch_size=2",
+    assert launch("train", *COMMON, *CHUNKED, "distributed=fsdp", "nproc=2", "dataloader.batch_size=2",
                   "checkpoint.every_n_steps=3", "checkpoint.keep_last=5", f"hydra.run.dir={run_dir}",
                   cwd=run_dir.parent) == 0
     return run_dir
@@ -57,6 +62,8 @@ def fsdp_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_two_fsdp_ranks_match_one_process(fsdp_dir: Path, one_process_run: tuple[Path, dict[str, Any]]) -> None:
     s = json.loads((fsdp_dir / "summary.json").read_text())
     assert s["status"] == "completed" and s["world_size"] == 2 and s["knobs"]["distributed"] == "fsdp"
+    assert s["knobs"]["loss"] == {"name": "chunked", "chunk_size": 24}
+    assert one_process_run[1]["knobs"]["loss"] == {"name": "standard"}
     assert s["knobs"]["fsdp"] == {"shard_groups": 3, "param_dtype": "float32", "reduce_dtype": "float32",
                                   "reshard_after_forward": True, "reshard_last_block": False,
                                   "forward_prefetch": 0, "backward_prefetch": 0, "backend": "gloo"}
