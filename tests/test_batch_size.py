@@ -172,3 +172,19 @@ def test_auto_bad_budget_is_one_line(tmp_path: Path, extra: list[str], words: st
         run(make_cfg("max_steps=1", "dataloader.batch_size=auto", *extra), tmp_path)
     assert words in str(e.value) and "\n" not in str(e.value)
     assert json.loads((tmp_path / "summary.json").read_text())["status"] == "failed"
+
+
+def test_a_repeat_of_the_same_job_reuses_its_search_and_another_job_searches(tmp_path: Path) -> None:
+    """What a sweep holds (FoundBatches): repeat 1 takes repeat 0's batch without a trial; a job
+    that differs in anything but the repeat's number searches for itself."""
+    from perfrun.loop.found_batches import FoundBatches
+
+    found = FoundBatches()
+    auto = ["max_steps=1", "dataloader.batch_size=auto", "dataloader.memory_budget_mib=3"]
+    first = run(make_cfg(*auto, "repeat=0"), tmp_path / "0", found=found)["batch_size_auto"]
+    again = run(make_cfg(*auto, "repeat=1"), tmp_path / "1", found=found)["batch_size_auto"]
+    other = run(make_cfg(*auto, "repeat=1", "checkpointing=full"), tmp_path / "2", found=found)["batch_size_auto"]
+    assert first["searched_by"] == f"the job in {tmp_path / '0'}" and first["search_s"] > 0 and first["trials"]
+    assert again["searched_by"] == first["searched_by"] and again["search_s"] == 0.0
+    assert again["batch_size"] == first["batch_size"] and again["trials"] == first["trials"]
+    assert other["searched_by"] == f"the job in {tmp_path / '2'}" and other["max_fit"] > first["max_fit"]

@@ -83,6 +83,30 @@ def test_the_largest_batch_fits_and_one_more_does_not() -> None:
     assert runs <= 6
 
 
+@pytest.mark.parametrize(("slope_after", "kink"), [(8, 8), (1, 4), (20, 3), (10, 10_000)])
+def test_the_search_brackets_near_the_line_guess_and_never_estimates_far_past_the_answer(slope_after, kink) -> None:
+    """A peak that is not a straight line (a fixed cost until a chunk fills, then steeper; or
+    flatter): the guess through batches 1 and 2 is off, and the search gallops from it. Before,
+    a guess that fitted with one more left the upper end at the cap, and the bisection estimated
+    batches in the tens of thousands (minutes each)."""
+    asked: list[int] = []
+
+    def peak(b: int) -> int:
+        asked.append(b)
+        return asked_peak(b, kink, slope_after)
+
+    limit, cap = 400, 112_000
+    want = max(b for b in range(1, 10_000) if asked_peak(b, kink, slope_after) <= limit)
+    batch, runs = largest_batch(peak, limit, cap=cap)
+    assert batch == want and runs == len(set(asked))
+    line_guess = 1 + (limit - asked_peak(1, kink, slope_after)) // (asked_peak(2, kink, slope_after) - asked_peak(1, kink, slope_after))
+    assert max(asked) <= max(2 * want + 2, line_guess), asked  # above the answer only as far as the line said
+
+
+def asked_peak(b: int, kink: int, slope_after: int) -> int:
+    return 100 + 4 * min(b, kink) + slope_after * max(0, b - kink)
+
+
 def test_a_data_dependent_operation_fails_in_one_line_naming_it_and_the_module(monkeypatch: pytest.MonkeyPatch) -> None:
     from perfrun.models import build, gpt
 

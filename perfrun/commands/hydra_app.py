@@ -6,7 +6,8 @@ overrides checked against a dataclass, ``--help`` listing every key with its hel
 A plain run composes the configuration with Hydra's compose API and runs the job in this
 process (no run dir: these commands write only what they are asked to). Anything with a
 flag (``--help``, ``--cfg``, ``-sc``, ``-m``) goes to Hydra's own runner (:func:`run_hydra`),
-as ``perfrun train`` does. Two things are done to the words before Hydra sees them:
+as ``perfrun train``'s do; a plain ``perfrun train`` runs the configuration it composed
+through Hydra's own job machinery (:func:`run_composed`), so that it composes once. Two things are done to the words before Hydra sees them:
 
 - keys in ``raw_keys`` (``prompt=``) take their value literally: the text is quoted for
   Hydra, so spaces, commas, quotes, ``=`` or ``${`` in a prompt stay what they are;
@@ -183,3 +184,57 @@ def hydra_main(name: str, args: list[str], job: Callable[[Any], int]) -> int:
     except SystemExit as e:  # Hydra's own answers and errors exit; the exit code is the answer
         return e.code if isinstance(e.code, int) else int(e.code is not None)
     return max(codes, default=0)
+
+
+def with_hydra_overrides(cfg: DictConfig, overrides: list[str]) -> DictConfig:
+    """``cfg`` (composed with its ``hydra`` node) with more ``hydra.KEY=VALUE`` overrides, applied
+    and recorded (``hydra.overrides.hydra``, hence .hydra/hydra.yaml) as Hydra applies and
+    records those of the command line, so that the configuration is not composed again."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
+
+    for override in OverridesParser.create().parse_overrides(overrides):
+        if not override.is_hydra_override() or override.is_sweep_override() or override.is_add() \
+                or override.is_delete() or override.is_force_add():
+            raise ValueError(f"{override.input_line}: only a plain hydra.KEY=VALUE is applied to a composed configuration")
+        OmegaConf.update(cfg, override.key_or_group, override.value(), merge=True)
+        cfg.hydra.overrides.hydra.append(override.input_line)
+    return cfg
+
+
+def run_composed(name: str, cfg: DictConfig, task: Callable[[DictConfig], None]) -> None:
+    """A single run of ``task`` on ``cfg``, composed already over conf/NAME.yaml with its
+    ``hydra`` node (``compose(..., return_hydra_config=True)``): what Hydra's runner does once
+    it has composed (``Hydra.run`` after ``compose_config`` in hydra/_internal/hydra.py, Hydra
+    1.3): Hydra's logging, its callbacks, and ``hydra.core.utils.run_job``, which makes the run
+    dir, writes .hydra/ (config.yaml, hydra.yaml, overrides.yaml), sets up the job's logging
+    and calls the task with HydraConfig set. An exception the task lets out is reported as
+    Hydra reports it (exit 1); a SystemExit passes through."""
+    from hydra import initialize_config_dir
+    from hydra._internal.callbacks import Callbacks
+    from hydra._internal.utils import run_and_report
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.utils import configure_log, run_job
+    from hydra.types import HydraContext, RunMode
+
+    if cfg.hydra.mode is None:  # as Hydra's runner says a run's mode: in hydra.yaml's overrides too
+        with_hydra_overrides(cfg, ["hydra.mode=RUN"])
+
+    def job() -> None:
+        hydra = GlobalHydra.instance().hydra
+        assert hydra is not None
+        if cfg.hydra.verbose:  # Hydra's debug header (plugins, search path, defaults tree) composes to print it
+            hydra.compose_config(name, [*cfg.hydra.overrides.task, *cfg.hydra.overrides.hydra], RunMode.RUN,
+                                 with_log_configuration=True)
+        else:
+            configure_log(cfg.hydra.hydra_logging, cfg.hydra.verbose)
+        callbacks = Callbacks(cfg)
+        callbacks.on_run_start(config=cfg, config_name=name)
+        ret = run_job(task_function=task, config=cfg, job_dir_key="hydra.run.dir", job_subdir_key=None,
+                      hydra_context=HydraContext(config_loader=hydra.config_loader, callbacks=callbacks))
+        callbacks.on_run_end(config=cfg, config_name=name, job_return=ret)
+        _ = ret.return_value  # the task's exception, if it raised one
+
+    # Hydra is initialised over conf/ during the job, as under its own runner
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3", job_name=name):
+        run_and_report(job)

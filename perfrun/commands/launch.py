@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING
 from perfrun.config import config_dir
 
 if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
     from perfrun.config import TrainConfig
 
 # Ranks other than 0 write nothing and print only warnings and errors: no .hydra/, no
@@ -49,9 +51,9 @@ def quoted(value: str) -> str:
     return f"'{value}'" if "'" not in value else value
 
 
-def hydra_dirs(args: list[str]) -> tuple[str, str]:
-    """hydra.run.dir and hydra.sweep.dir resolved once, here: their ``${now:...}`` is read
-    at this moment, so every process handed these strings writes into the same folder."""
+def hydra_node(args: list[str]) -> DictConfig:
+    """The ``hydra`` node of the command line's configuration (of its hydra.* overrides alone
+    where the whole line does not compose, as a sweep's a=1,2 does not): its folders."""
     from hydra import compose, initialize_config_dir
 
     from perfrun.config import register_configs
@@ -63,7 +65,14 @@ def hydra_dirs(args: list[str]) -> tuple[str, str]:
             cfg = compose("train", overrides=plain, return_hydra_config=True)
         except Exception:  # noqa: BLE001 - a sweep's a=1,2 does not compose; the dirs need only hydra.*
             cfg = compose("train", overrides=[a for a in plain if a.startswith("hydra.")], return_hydra_config=True)
-        return str(cfg.hydra.run.dir), str(cfg.hydra.sweep.dir)
+        return cfg.hydra
+
+
+def hydra_dirs(args: list[str]) -> tuple[str, str]:
+    """hydra.run.dir and hydra.sweep.dir resolved once, here: their ``${now:...}`` is read
+    at this moment, so every process handed these strings writes into the same folder."""
+    node = hydra_node(args)
+    return str(node.run.dir), str(node.sweep.dir)
 
 
 def dir_overrides(run_dir: str, sweep_dir: str) -> list[str]:

@@ -27,6 +27,7 @@ from perfrun.summary import RunSummary, read_summary
 
 if TYPE_CHECKING:
     from perfrun.checkpoint.resume_search import RunSearch
+    from perfrun.loop.found_batches import FoundBatches
 
 log = logging.getLogger("perfrun")
 
@@ -93,7 +94,8 @@ def skip(cfg: TrainConfig, run_dir: Path | None, overrides: list[str], reason: s
 
 
 def run_rung(cfg: TrainConfig, run_dir: Path | None, *, overrides: list[str], search: RunSearch | None = None,
-             sweep_args: Sequence[str] = (), decision: Decision | None = None) -> RunSummary:
+             sweep_args: Sequence[str] = (), decision: Decision | None = None,
+             found: FoundBatches | None = None) -> RunSummary:
     """One rung's job in this process: skipped, or trained with what the model cannot take off
     (``decision``: :func:`decide`'s answer for ``cfg`` where the caller has it already)."""
     from perfrun.distributed import rank
@@ -106,6 +108,6 @@ def run_rung(cfg: TrainConfig, run_dir: Path | None, *, overrides: list[str], se
         return skip(cfg, mine, overrides, decision.skip)
     try:
         return run(decision.config, run_dir, overrides=[*overrides, *decision.turned_off], search=search,
-                   sweep_args=sweep_args)
+                   sweep_args=sweep_args, found=found)
     except KnobRefused as e:
         return skip(cfg, mine, overrides, f"not applicable to model {cfg.model.name}: {e.reason}")

@@ -1,6 +1,9 @@
-"""``perfrun train``: hands the rest of the command line to a real Hydra app, so ``-m``,
-``--cfg job``, ``--help``, ``--info`` and shell completion all work; what several
-processes need (torchrun, one run dir for every rank) is in :mod:`perfrun.commands.launch`.
+"""``perfrun train``: a plain run composes its configuration once, to check it (one line for
+a mistake) and find its run dir (``resume=auto``), and runs that composition through Hydra's
+own job machinery (:func:`perfrun.commands.hydra_app.run_composed`); anything with a flag
+(``-m``, ``--cfg job``, ``--help``, ``--info``, shell completion) goes to a real Hydra app
+with the rest of the command line. What several processes need (torchrun, one run dir for
+every rank) is in :mod:`perfrun.commands.launch`.
 Hydra's completion script calls ``perfrun -sc query=bash`` with the whole line in
 COMP_LINE; the ``train`` word is removed from it here, since Hydra knows no subcommands,
 and the answer is composed without importing the trainer (no torch), so a Tab is quick.
@@ -24,6 +27,7 @@ from perfrun.commands.launch import (
     arg_value,
     dir_overrides,
     hydra_dirs,
+    hydra_node,
     join_rank_group,
     launch_ranks,
     quoted,
@@ -37,17 +41,20 @@ from perfrun.console import composition_error, error, first_line, stderr_console
 
 PARALLEL = ("ddp", "fsdp")  # the distributed= values that run one process per GPU
 COMPLETION_FLAGS = ("-sc", "--shell-completion")
+HYDRA_ANSWERS = ("-h", "--help", "--hydra-help", "--version", "-c", "--cfg", "-i", "--info")  # no job runs
 CONFIG_ROOM = 64 * 1024  # bytes a run dir must take before the job starts: Hydra's .hydra/*.yaml and more
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from omegaconf import DictConfig
 
 log = logging.getLogger("perfrun")
 
 def _preflight(args: list[str]) -> tuple[str | None, DictConfig | None]:
-    """Compose a single run's configuration before Hydra does, so that a wrong option,
-    key or type gets one line instead of Hydra's page. Flags (``-m``, ``--cfg``...) and
-    sweeps are left to Hydra, which reports those errors itself.
+    """Compose a single run's configuration, the one its job runs (with its ``hydra`` node),
+    so that a wrong option, key or type gets one line instead of Hydra's page. Flags
+    (``-m``, ``--cfg``...) and sweeps are left to Hydra, which reports those errors itself.
 
     Returns (the problem or None, the composed configuration or None)."""
     if any(a.startswith("-") for a in args):
@@ -222,7 +229,9 @@ def train_main(args: list[str]) -> int:
             return 2
         root = None if redirect else _template_root(composed.hydra.run)  # a pinned run dir has none
         with undone_if_refused(run_dir):  # a refused job leaves a run dir that holds a run as it was
-            return launch_ranks(args + redirect, int(nproc)) if several else _run_app(args + redirect, root)
+            if several:
+                return launch_ranks(args + redirect, int(nproc))
+            return _run_composed(args + redirect, composed, redirect, root)
     if world == 1 and several and not _multirun(args):  # a sweep's jobs start their own torchrun
         return launch_ranks(args, int(nproc))
     if world > 1:
@@ -235,6 +244,8 @@ def train_main(args: list[str]) -> int:
             return _run_app(args + join_rank_group(args, config), given_root or _search_root(args))
         finally:
             dist.destroy()
+    if _multirun(args) or _answered_by_hydra(args):  # a sweep's root is read with its folder; no job, no root
+        return _run_app(args, given_root)
     return _run_app(args, given_root or _search_root(args))
 
 
@@ -312,18 +323,64 @@ def _contents(run_dir: Path) -> str:
                      if not p.name.startswith("."))
 
 
+def _answered_by_hydra(args: list[str]) -> bool:
+    """Hydra's flags that it answers without running a job (--help, --cfg, --info...)."""
+    return any(a in HYDRA_ANSWERS or a.startswith(("--cfg=", "--info=")) for a in args)
+
+
 def _run_app(args: list[str], search_root: Path | None) -> int:
-    """The Hydra app, with ``args`` as its command line; ``search_root``: where ``resume=auto``
-    looks for the run a job continues (None: nowhere but the job's own run dir)."""
+    """The Hydra app, with ``args`` as its command line: Hydra composes the configuration
+    (once per job of a sweep); ``search_root``: where ``resume=auto`` looks for the run a
+    job continues (None: nowhere but the job's own run dir; in a sweep, the fixed part of
+    the sweep dir's template)."""
+    from perfrun.commands.hydra_app import run_hydra
+    from perfrun.config import register_configs
+
+    register_configs()
+    failed: list[str] = []  # the sweep's jobs that failed in this process
+    sweep_dir = None
+    if _multirun(args):  # resolved once, here, so that the sweep's jobs can be read back from it
+        try:
+            node = hydra_node(args)
+            sweep_dir = str(node.sweep.dir)
+            search_root = search_root or _template_root(node.sweep)  # read before the sweep dir is pinned
+            args = [*args, f"hydra.sweep.dir={quoted(sweep_dir)}"]
+        except Exception:  # noqa: BLE001 - a bad hydra.* override: Hydra reports it just below
+            sweep_dir = None
+    from perfrun.commands.sweep_jobs import stops_cleanly
+
+    with stops_cleanly(sweep_dir):
+        run_hydra("train", args, _app(args, search_root, failed))
+    failed = _failed_jobs(failed, sweep_dir)
+    if failed:
+        error(f"{len(failed)} job(s) of the sweep failed: " + "; ".join(failed))
+        return 1
+    return 0
+
+
+def _run_composed(args: list[str], composed: DictConfig, redirect: list[str], search_root: Path | None) -> int:
+    """A plain run of the configuration the preflight composed (``args``: its command line,
+    ``redirect``: the resume=auto run dir, applied to it as Hydra applies an override),
+    through Hydra's own job machinery, so that it is not composed again."""
+    from perfrun.commands.hydra_app import run_composed, with_hydra_overrides
+    from perfrun.commands.sweep_jobs import stops_cleanly
+
+    with stops_cleanly(None):
+        run_composed("train", with_hydra_overrides(composed, redirect), _app(args, search_root, []))
+    return 0
+
+
+def _app(args: list[str], search_root: Path | None, failed: list[str]) -> Callable[[DictConfig], None]:
+    """The job Hydra calls with each configuration: a sweep job's failure is added to
+    ``failed``; a single run's ends the process (SystemExit) with its exit code."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
     from perfrun.checkpoint.resume_search import RunSearch, job_config
-    from perfrun.commands.hydra_app import run_hydra
-    from perfrun.config import ConfigError, register_configs
+    from perfrun.config import ConfigError
+    from perfrun.loop.found_batches import FoundBatches
 
-    register_configs()
-    failed: list[str] = []  # the sweep's jobs that failed in this process
+    found = FoundBatches()  # a sweep's repeats of one job reuse its batch search (batch_size=auto)
 
     def app(cfg: DictConfig) -> None:
         # the trainer (and torch) is imported by a job, never by --help, --cfg or --info
@@ -339,7 +396,7 @@ def _run_app(args: list[str], search_root: Path | None) -> int:
             if hc.mode == RunMode.MULTIRUN:
                 if _measured_before(config, run_dir, overrides):
                     return
-                config = _with_planned_budget(config, Path(hc.sweep.dir))
+                config = _breakdown_in_repeat_0(_with_planned_budget(config, Path(hc.sweep.dir)))
             decision = None
             if config.ablation.rung and world_size() == 1:  # a ladder rung: skipped where its knob cannot act
                 from perfrun.commands.rungs import decide, skip
@@ -364,9 +421,9 @@ def _run_app(args: list[str], search_root: Path | None) -> int:
                         from perfrun.commands.rungs import run_rung
 
                         run_rung(config, run_dir, overrides=overrides, search=search, sweep_args=args,
-                                 decision=decision)
+                                 decision=decision, found=found)
                     else:
-                        run(config, run_dir, overrides=overrides, search=search, sweep_args=args)
+                        run(config, run_dir, overrides=overrides, search=search, sweep_args=args, found=found)
                 finally:
                     log.info(f"run dir {shown_path(run_dir)}: {_contents(run_dir)}")
         except (ConfigError, RunFailed) as e:
@@ -379,22 +436,7 @@ def _run_app(args: list[str], search_root: Path | None) -> int:
             error(str(e))
             raise SystemExit(e.exit_code) from None  # a stop request ends the sweep too
 
-    sweep_dir = None
-    if _multirun(args):  # resolved once, here, so that the sweep's jobs can be read back from it
-        try:
-            sweep_dir = hydra_dirs(args)[1]
-            args = [*args, f"hydra.sweep.dir={quoted(sweep_dir)}"]
-        except Exception:  # noqa: BLE001 - a bad hydra.* override: Hydra reports it just below
-            sweep_dir = None
-    from perfrun.commands.sweep_jobs import stops_cleanly
-
-    with stops_cleanly(sweep_dir):
-        run_hydra("train", args, app)
-    failed = _failed_jobs(failed, sweep_dir)
-    if failed:
-        error(f"{len(failed)} job(s) of the sweep failed: " + "; ".join(failed))
-        return 1
-    return 0
+    return app
 
 
 def _measured_before(cfg: TrainConfig, run_dir: Path, overrides: list[str]) -> bool:
@@ -420,6 +462,17 @@ def _with_planned_budget(cfg: TrainConfig, sweep_dir: Path) -> TrainConfig:
         return cfg
     log.info(f"rung {cfg.ablation.rung or '?'}: measured within a {planned[0]:g} s budget ({planned[1]})")
     return replace(cfg, ablation=replace(cfg.ablation, budget_s=planned[0]))
+
+
+def _breakdown_in_repeat_0(cfg: TrainConfig) -> TrainConfig:
+    """A ladder rung's memory breakdown (one step under torch's memory tracker, seconds on a
+    CPU) is taken in its repeat 0 only: one step's memory is the same in every repeat, and
+    the report reads each rung's breakdown from the jobs that have one."""
+    if not (cfg.memory.breakdown and cfg.ablation.rung and cfg.repeat > 0):
+        return cfg
+    log.info(f"rung {cfg.ablation.rung}: memory breakdown taken in repeat 0 (one step's memory is the same in every "
+             "repeat)")
+    return replace(cfg, memory=replace(cfg.memory, breakdown=False))
 
 
 def shell_completion(args: list[str]) -> int:

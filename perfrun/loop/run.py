@@ -18,7 +18,7 @@ import time
 from collections.abc import Sequence
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -40,6 +40,9 @@ from perfrun.telemetry.loggers import build_sinks
 from perfrun.telemetry.profiling import attach_profiler, dump_memory_snapshot
 from perfrun.telemetry.sinks import ConsoleReporter, RecordSink, data_figure
 
+if TYPE_CHECKING:
+    from perfrun.loop.found_batches import FoundBatches
+
 log = logging.getLogger("perfrun")
 
 
@@ -48,7 +51,8 @@ class RunFailed(RuntimeError):
 
 
 def run(cfg: TrainConfig, run_dir: Path | None, *, overrides: list[str] | None = None,
-        search: RunSearch | None = None, sweep_args: Sequence[str] = ()) -> RunSummary:
+        search: RunSearch | None = None, sweep_args: Sequence[str] = (),
+        found: FoundBatches | None = None) -> RunSummary:
     """One training job. Writes metrics.jsonl and summary.json into ``run_dir`` (rank 0).
 
     Raises ConfigError or RunFailed (after writing a ``failed`` summary) for what the user
@@ -57,7 +61,8 @@ def run(cfg: TrainConfig, run_dir: Path | None, *, overrides: list[str] | None =
     them into one line and an exit code. A job refused before its first step writes no
     summary over one already in ``run_dir``; ``search``: where and for what configuration
     ``resume=auto`` looks for the run to continue when ``run_dir`` holds no checkpoint;
-    ``sweep_args``: the command line of the sweep this job is part of (its logger's names).
+    ``sweep_args``: the command line of the sweep this job is part of (its logger's names);
+    ``found``: the sweep's batch searches so far (``batch_size=auto``), which this job may reuse.
     """
     rank, world = rank_info()
     main = rank == 0
@@ -73,7 +78,7 @@ def run(cfg: TrainConfig, run_dir: Path | None, *, overrides: list[str] | None =
             _hold_folders(cfg, run_dir, stack)
             record.owned = True
             sink = build_sinks(cfg, run_dir, rank, sweep_args)  # metrics.jsonl and the experiment logger, on rank 0
-            built = setup(cfg, stack, resolved)
+            built = setup(cfg, stack, resolved, found, job=f"the job in {run_dir}")
             device = built.device
             summary.update(built.facts)
             summary["environment"] = environment(device)

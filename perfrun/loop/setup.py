@@ -16,6 +16,7 @@ from perfrun.config import ConfigError, TrainConfig, as_dict
 from perfrun.data import build_datasets, build_loader
 from perfrun.environment import device_name
 from perfrun.knobs import Plan, apply_knobs, fp8, fsdp, refuse_unmet
+from perfrun.loop.found_batches import FoundBatches
 from perfrun.loop.host_heap import keep_freed_memory
 from perfrun.loop.memory.preflight import auto_batch_start, train_preflight
 from perfrun.loop.optimizer import build_optimizer, build_scheduler
@@ -79,9 +80,11 @@ class Setup:
     resolved: Resolved
 
 
-def setup(cfg: TrainConfig, stack: ExitStack, resolved: Resolved) -> Setup:
+def setup(cfg: TrainConfig, stack: ExitStack, resolved: Resolved, found: FoundBatches | None = None,
+          job: str = "") -> Setup:
     """Everything before the first step: validated config, data, model, knobs, optimizer;
-    what it finds out goes into ``resolved`` (the caller's, so a failed setup still tells)."""
+    what it finds out goes into ``resolved`` (the caller's, so a failed setup still tells);
+    ``found``: the batch searches of earlier jobs of a sweep, which ``job`` may reuse."""
     validate(cfg)
     if not 0 <= cfg.seed < 2**32:
         raise ConfigError(f"seed={cfg.seed} is outside what the random number generators take (0 to 2**32-1, numpy's "
@@ -123,9 +126,13 @@ def setup(cfg: TrainConfig, stack: ExitStack, resolved: Resolved) -> Setup:
     if cfg.dataloader.batch_size == "auto":  # the largest batch that fits, found before the loaders exist
         from perfrun.loop.auto_batch import resolve_auto_batch
 
-        auto_batch = resolve_auto_batch(cfg.dataloader, device, plan, optimizer, scheduler, len(data.train), example,
-                                        clip=cfg.optim.grad_clip,
-                                        start=lambda limit, cap: auto_batch_start(cfg, data.vocab_size, limit, cap))
+        def search() -> dict[str, Any]:
+            return resolve_auto_batch(cfg.dataloader, device, plan, optimizer, scheduler, len(data.train), example,
+                                      clip=cfg.optim.grad_clip,
+                                      start=lambda limit, cap: auto_batch_start(cfg, data.vocab_size, limit, cap))
+
+        auto_batch = (found.reuse_or_search(FoundBatches.key(as_dict(cfg), device), search, job) if found is not None
+                      else search())
         resolved.batch_size = int(auto_batch["batch_size"])
     else:
         resolved.batch_size = int(cfg.dataloader.batch_size)

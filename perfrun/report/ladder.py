@@ -95,6 +95,11 @@ class _Rungs:
         return [r for r in self.by_rung.get(rung, []) if r.status == "completed" and not r.contended
                 and r.job not in self.outliers]
 
+    def completed(self, rung: str) -> list[Row]:
+        """The repeats that ran to the end, contended or not: what memory figures read (one
+        step's memory does not depend on what else the machine ran; repeat 0 takes the breakdown)."""
+        return [r for r in self.by_rung.get(rung, []) if r.status == "completed"]
+
     def _machine_noise(self) -> tuple[float | None, str]:
         """The machine's noise (± % of a median) measured in this sweep: the naive trainer's
         uncontended jobs (naive and naive_seed run the same speed), else the widest spread of
@@ -168,7 +173,7 @@ def _entry(rs: _Rungs, rung: str, against: Spread | None = None, base: Spread | 
         "vs_baseline": e_base.ratio, "vs_baseline_noise_pct": e_base.noise_pct,
         "vs_baseline_measurable": e_base.measurable, "vs_baseline_single": e_base.single,
         "peak_mem_mib": _median([r.peak_mem_mib for r in counted]),
-        "memory_breakdown": rung_breakdown([rs.summary(r) for r in counted]),
+        "memory_breakdown": rung_breakdown([rs.summary(r) for r in rs.completed(rung)]),
         "first_step_s": _median([r.first_step_s for r in counted]),
         **rs.loss(rung),
     }
@@ -229,12 +234,12 @@ def _tradeoffs(rs: _Rungs, top: str | None) -> list[dict[str, Any]]:
         else:
             line.update(rung=rung, tokens_per_s=tps.median, spread_pct=tps.half_pct, n=tps.n,
                         peak_mem_mib=_median([r.peak_mem_mib for r in rs.counted(rung)]),
-                        memory_breakdown=rung_breakdown([rs.summary(r) for r in rs.counted(rung)]))
+                        memory_breakdown=rung_breakdown([rs.summary(r) for r in rs.completed(rung)]))
     if top is not None and "checkpointing=none" in settings:
         t = rs.tps(top)
         settings["checkpointing=none"].update(rung=top, tokens_per_s=t.median, spread_pct=t.half_pct, n=t.n,
                                               peak_mem_mib=_median([r.peak_mem_mib for r in rs.counted(top)]),
-                                              memory_breakdown=rung_breakdown([rs.summary(r) for r in rs.counted(top)]))
+                                              memory_breakdown=rung_breakdown([rs.summary(r) for r in rs.completed(top)]))
     add_savings(list(settings.values()))  # the category each memory knob freed (memory_verdict)
     return list(settings.values())
 

@@ -45,37 +45,46 @@ def memory_limit(size: str | None) -> tuple[int | None, str]:
 
 
 def largest_batch(fits_at: Callable[[int], int], limit: int, *, cap: int = 4096) -> tuple[int, int]:
-    """The largest batch whose estimated peak ``fits_at(batch)`` is within ``limit``, by
-    bisection; the first guess is the straight line through batches 1 and 2 (a peak grows
-    about linearly in the batch), so a handful of estimates settle it. Returns (batch, runs);
-    batch 0 when not even 1 fits."""
+    """The largest batch up to ``cap`` whose estimated peak ``fits_at(batch)`` is within
+    ``limit``. The first guess is the straight line through batches 1 and 2 (a peak grows
+    about linearly in the batch); from there the search gallops outward (steps of 1, 2, 4, ...)
+    until a batch that fits and one that does not bracket the answer, then bisects. Every
+    batch it estimates is within twice the answer's distance from the guess, so no estimate
+    runs at a batch far larger than what fits (an estimate's time grows with the batch).
+    Returns (batch, estimates made); batch 0 when not even 1 fits."""
     peaks: dict[int, int] = {}
 
-    def peak(b: int) -> int:
+    def fits(b: int) -> bool:
         if b not in peaks:
             peaks[b] = fits_at(b)
-        return peaks[b]
+        return peaks[b] <= limit
 
-    if peak(1) > limit:
+    if not fits(1):
         return 0, len(peaks)
-    slope = max(1, peak(2) - peak(1))
-    guess = max(1, min(cap, 1 + (limit - peak(1)) // slope))
-    lo, hi = 1, cap + 1  # lo fits, hi does not (cap + 1: never tried)
-    for b in (guess, guess + 1):
-        if b <= cap and peak(b) <= limit:
-            lo = max(lo, b)
-        elif b <= cap:
-            hi = min(hi, b)
-    if peak(2) <= limit:
-        lo = max(lo, 2)
+    if cap == 1:
+        return 1, len(peaks)
+    fits(2)
+    slope = max(1, peaks[2] - peaks[1])
+    guess = max(1, min(cap, 1 + (limit - peaks[1]) // slope))
+    lo, hi = 1, cap + 1  # lo fits, hi does not (cap + 1: beyond what may be tried)
+    step = 1
+    if fits(guess):
+        lo = guess
+        while lo < cap and hi == cap + 1:
+            b = min(cap, lo + step)
+            lo, hi = (b, hi) if fits(b) else (lo, b)
+            step *= 2
     else:
-        hi = min(hi, 2)
+        hi = guess
+        while lo == 1 and hi > 2:
+            b = max(1, hi - step)
+            if b == 1:
+                break
+            lo, hi = (b, hi) if fits(b) else (lo, b)
+            step *= 2
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if peak(mid) <= limit:
-            lo = mid
-        else:
-            hi = mid
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     return lo, len(peaks)
 
 

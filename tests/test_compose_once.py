@@ -1,0 +1,108 @@
+"""A plain ``perfrun train`` composes its configuration once: the composition that checks the
+command line is the one the job runs, through Hydra's own job machinery, and the run dir holds
+what Hydra's own runner writes (.hydra/config.yaml, hydra.yaml, overrides.yaml, train.log).
+Every composition, Hydra's own included, goes through ConfigLoaderImpl.load_configuration,
+which is counted here during a real run entered as the command line enters it."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from hydra._internal.config_loader_impl import ConfigLoaderImpl
+
+from perfrun.commands.dispatch import main as cli_main
+from perfrun.commands.hydra_app import run_hydra
+from perfrun.commands.tune import kept_logging
+from perfrun.config import register_configs
+from perfrun.summary import read_summary
+
+from conftest import TINY_MODEL
+
+QUICK = [*TINY_MODEL, "dataloader.batch_size=2", "eval_every=0", "eval_batches=1", "monitor.every_n_steps=0",
+         "device=cpu", "progress=off", "log_every=1", "data=synthetic"]
+
+
+@pytest.fixture
+def compositions(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
+    """The overrides of each composition made from here on, in this process."""
+    made: list[list[str]] = []
+    load: Callable[..., Any] = ConfigLoaderImpl.load_configuration
+
+    def counted(self: ConfigLoaderImpl, config_name: str | None, overrides: list[str], *args: Any, **kw: Any) -> Any:
+        made.append(list(overrides))
+        return load(self, config_name, overrides, *args, **kw)
+
+    monkeypatch.setattr(ConfigLoaderImpl, "load_configuration", counted)
+    return made
+
+
+def train(*args: str) -> int:
+    """``perfrun train ARGS`` in this process, as the console script enters: its exit code."""
+    with kept_logging():  # the job sets up the root logger for its run
+        try:
+            return cli_main(["train", *args])
+        except SystemExit as e:
+            return int(e.code or 0)
+
+
+def hydra_yaml(run_dir: Path) -> dict[str, Any]:
+    return yaml.safe_load((run_dir / ".hydra" / "hydra.yaml").read_text())["hydra"]
+
+
+def test_a_plain_run_composes_once_and_writes_what_hydra_writes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, compositions: list[list[str]]) -> None:
+    monkeypatch.chdir(tmp_path)
+    args = [*QUICK, "max_steps=2", "hydra.run.dir=run"]
+    assert train(*args) == 0
+    assert compositions == [args]
+    run = tmp_path / "run"
+    s = read_summary(run)
+    assert s["status"] == "completed" and s["steps"] == 2
+    assert sorted(p.name for p in (run / ".hydra").iterdir()) == ["config.yaml", "hydra.yaml", "overrides.yaml"]
+    log = (run / "train.log").read_text()
+    assert "[perfrun][INFO] - run dir run\n" in log and "done:" in log
+    # what Hydra's own runner writes for the same command line, before it calls the task
+    register_configs()
+    with kept_logging():
+        run_hydra("train", [*QUICK, "max_steps=2", "hydra.run.dir=reference"], lambda cfg: None)
+    reference = tmp_path / "reference"
+    for name in ("config.yaml", "overrides.yaml"):
+        assert (run / ".hydra" / name).read_text() == (reference / ".hydra" / name).read_text()
+    ours, theirs = hydra_yaml(run), hydra_yaml(reference)
+    assert ours["overrides"]["hydra"] == ["hydra.run.dir=run", "hydra.mode=RUN"] and ours["mode"] == "RUN"
+    assert ours["runtime"]["output_dir"] == str(run) and ours["job"]["name"] == "train"
+    for h in (ours, theirs):  # all else the same, the run dir's name aside
+        h["run"]["dir"] = h["runtime"]["output_dir"] = h["overrides"]["hydra"][0] = None
+    assert ours == theirs
+
+
+def test_resume_auto_continues_another_run_dir_from_the_one_composition(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str],
+        compositions: list[list[str]]) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert train(*QUICK, "max_steps=2", "hydra.run.dir=outputs/first") == 0
+    capfd.readouterr()
+    compositions.clear()
+    assert train(*QUICK, "max_steps=3", "resume=auto") == 0  # a new timestamped run dir under outputs/
+    assert "resume=auto: continuing the run in outputs/first from step 2" in capfd.readouterr().err
+    assert compositions == [[*QUICK, "max_steps=3", "resume=auto"]]
+    first = tmp_path / "outputs" / "first"
+    assert [p.name for p in (tmp_path / "outputs").iterdir()] == ["first"]  # no new run dir
+    s = json.loads((first / "summary.json").read_text())
+    assert s["status"] == "completed" and s["resumed_from_step"] == 2 and s["steps"] == 3
+    h = hydra_yaml(first)  # the run dir as Hydra records a hydra.run.dir given on the command line
+    assert h["run"]["dir"] == "outputs/first" and h["runtime"]["output_dir"] == str(first)
+    assert h["overrides"]["hydra"] == ["hydra.run.dir='outputs/first'", "hydra.mode=RUN"]
+    assert h["overrides"]["task"] == [*QUICK, "max_steps=3", "resume=auto"]
+
+
+def test_what_hydra_answers_without_a_job_composes_once(compositions: list[list[str]],
+                                                        capfd: pytest.CaptureFixture[str]) -> None:
+    assert train("--cfg", "job", "max_steps=3") == 0
+    assert "max_steps: 3" in capfd.readouterr().out
+    assert compositions == [["max_steps=3"]]  # Hydra's own; no search for a run no job continues
