@@ -83,8 +83,12 @@ def global_state() -> dict[str, Any]:
 def _compiled_frame_count() -> int | None:
     """Frames dynamo has compiled since its last reset (0 after torch.compiler.reset()).
 
-    A private counter, read for diagnosis only: None where this torch lacks it.
+    A private counter, read for diagnosis only: None where this torch lacks it. A process
+    that has not imported dynamo has compiled nothing: importing it only to read 0 cost a
+    fresh ``perfrun train`` ~2 s before its first check (a bad setting's one line waited on it).
     """
+    if "torch._dynamo" not in sys.modules:
+        return 0
     from torch._dynamo import convert_frame
 
     return getattr(convert_frame, "FRAME_COUNTER", None)

@@ -1,15 +1,19 @@
-"""scripts/bench_train.py on the CPU at its smallest: two alternating pairs of fresh processes
-give a report with the ratio, its intervals, the threads both sides ran with and what the
-machine did meanwhile; the Python-call count per step of each side; the sign-test interval
-on known ratios. No timing is asserted: the machine is shared."""
+"""scripts/bench_train.py on the CPU at its smallest: two alternating pairs give a report with
+the ratio, its intervals, the threads both sides ran with and what the machine did meanwhile;
+a side in a fresh process sets its own threads; the Python-call count per step of each
+side; the sign-test interval on known ratios. No timing is asserted: the machine is shared."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -26,11 +30,29 @@ def bench() -> ModuleType:
     return module
 
 
+def in_process(module: ModuleType) -> Callable[..., dict[str, Any]]:
+    """``spawn`` with the child's code run in this process: the same ``--one`` arguments, the
+    same BENCH_TRAIN line parsed. The fresh process ``spawn`` starts is
+    :func:`test_a_side_in_a_fresh_process_runs_on_the_threads_asked_for`'s; here the report
+    built from the pairs is under test."""
+    def spawn(side: str, args: Any, overrides: list[str], *, calls: bool = False) -> dict[str, Any]:
+        argv = ["--one", side, "--threads", str(args.threads), "--steps", str(args.steps),
+                "--warmup", str(args.warmup), *(["--calls"] if calls else []), *overrides]
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert module.main(argv) == 0
+        return json.loads(out.getvalue().rpartition("BENCH_TRAIN ")[2].split("\n", 1)[0])
+    return spawn
+
+
 def test_two_pairs_report_the_ratio_its_interval_the_threads_and_the_load(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     out = tmp_path / "bench.json"
-    assert bench().main(["--pairs", "2", "--steps", "3", "--warmup", "1", "--threads", "1", "--configs", "custom",
-                         "--json", str(out), *SMALL]) == 0
+    module = bench()
+    monkeypatch.setattr(module, "spawn", in_process(module))
+    monkeypatch.setattr(sys, "argv", ["bench_train.py"])
+    assert module.main(["--pairs", "2", "--steps", "3", "--warmup", "1", "--threads", "1", "--configs", "custom",
+                        "--json", str(out), *SMALL]) == 0
     result = json.loads(out.read_text())
     row = result["configs"]["custom"]
     assert row["overrides"] == SMALL and [p["first"] for p in row["pairs"]] == ["perfrun", "plain"]  # alternating
@@ -41,13 +63,23 @@ def test_two_pairs_report_the_ratio_its_interval_the_threads_and_the_load(
     assert row["ci95_sign_test"] is None  # two pairs: no 95 % sign-test interval exists
     lo, hi = row["ci95_bootstrap"]
     assert ratios[0] <= lo <= hi <= ratios[1]
-    threads = row["threads"]  # (torch threads, interop threads, OMP_NUM_THREADS) as each process read them back
+    threads = row["threads"]  # (torch threads, interop threads, OMP_NUM_THREADS) as each side read them back
     assert threads["perfrun"] == threads["plain"] and [(t[0], t[2]) for t in threads["plain"]] == [(1, "1")]
     machine = row["machine"]
     assert machine["cpus"] >= 1 and machine["load_avg_1m"]["min"] <= machine["load_avg_1m"]["max"]
     assert 0 <= machine["others_cpu_share_pct"] and isinstance(machine["busiest_others"], list)
     shown = capsys.readouterr().out
     assert "custom pair 2/2 (plain first)" in shown and "95% sign test" in shown and "busiest others" in shown
+
+
+def test_a_side_in_a_fresh_process_runs_on_the_threads_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``spawn`` as the benchmark starts each side: a fresh process that reads back the
+    threads it ran with (``--threads 1``, against this process's OMP_NUM_THREADS, changed here
+    so that only spawn can have set it); perfrun's side, the one whose run could change them."""
+    module = bench()
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    got = module.spawn("perfrun", module.parse(["--steps", "2", "--warmup", "1", "--threads", "1"]), SMALL)
+    assert (got["torch_threads"], got["omp_num_threads"]) == (1, "1") and got["tokens_per_s"] > 0
 
 
 def test_python_calls_per_step_of_both_sides(monkeypatch: pytest.MonkeyPatch) -> None:

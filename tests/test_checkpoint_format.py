@@ -5,7 +5,6 @@ are written in the same format."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,35 +35,44 @@ def _layout(tree: Any) -> Any:
     return type(tree).__name__
 
 
-def test_an_earlier_perfruns_checkpoint_resumes_exactly(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def today(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    """OVERRIDES run uninterrupted by this perfrun, on the fixture's 2 CPU threads (its
+    weights are compared bit for bit, and another thread count sums in another order): the
+    run the old checkpoint's resume must equal, and the new checkpoint whose layout must be
+    the old one's. One run for both tests."""
+    run_dir = tmp_path_factory.mktemp("today")
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        return run_dir, run(make_cfg(*OVERRIDES), run_dir)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_an_earlier_perfruns_checkpoint_resumes_exactly(today: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
     """Steps 3 and 4 resumed from the old file equal an uninterrupted run's, bit for bit:
     weights, AdamW, the schedule, fp16's loss scale, dropout's generators and the data
-    position all came back."""
-    full = run(make_cfg(*OVERRIDES), tmp_path / "full")
-    resumed = run(make_cfg(*OVERRIDES, f"resume={FIXTURE}"), tmp_path / "resumed")
-    a, b = _losses(tmp_path / "full"), _losses(tmp_path / "resumed")
+    position all came back (on the threads the uninterrupted run had)."""
+    full_dir, full = today
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        resumed = run(make_cfg(*OVERRIDES, f"resume={FIXTURE}"), tmp_path / "resumed")
+    finally:
+        torch.set_num_threads(before)
+    a, b = _losses(full_dir), _losses(tmp_path / "resumed")
     assert resumed["start_step"] == 2 and resumed["resumed_from"] == str(FIXTURE) and sorted(b) == [3, 4]
     assert [a[3], a[4]] == [b[3], b[4]]
     assert resumed["tokens"] == full["tokens"] and resumed["data_position"] == full["data_position"]
 
 
-@pytest.fixture
-def threads_of_the_fixture() -> Iterator[None]:
-    """The fixture was written on 2 CPU threads (torch's default on the 2-core machine); its
-    weights are compared bit for bit, and another thread count sums in another order."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
-
-
-def test_todays_checkpoint_has_the_old_files_layout(tmp_path: Path, threads_of_the_fixture: None) -> None:
+def test_todays_checkpoint_has_the_old_files_layout(today: tuple[Path, dict[str, Any]]) -> None:
     """Same keys at every level and the same kinds of values: the file format did not change
     (the recorded configuration is left out: it grows with the schema, and resuming reads
     only the keys that :func:`perfrun.checkpoint.files.check_compatible` names)."""
-    run(make_cfg(*OVERRIDES), tmp_path)
     old = torch.load(FIXTURE, map_location="cpu", weights_only=True)
-    new = torch.load(tmp_path / "checkpoints" / "step_0000002.pt", map_location="cpu", weights_only=True)
+    new = torch.load(today[0] / "checkpoints" / "step_0000002.pt", map_location="cpu", weights_only=True)
     assert isinstance(new.pop("config"), dict) and isinstance(old.pop("config"), dict)
     assert _layout(new) == _layout(old)
     assert new["step"] == old["step"] == 2 and new["data"] == old["data"] and new["tokens"] == old["tokens"]

@@ -19,10 +19,11 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
+from perfrun.commands.tune import kept_logging
 from perfrun.telemetry import sinks
 from perfrun.telemetry.sinks import TIME_WIDTH, ConsoleReporter, gpu_parts, step_line
 
-from conftest import REPO, TINY, run_cli
+from conftest import REPO, TINY, launch
 
 TIMED = re.compile(r"^\d\d:\d\d:\d\d \S")  # "06:12:01 message"
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07")
@@ -85,15 +86,21 @@ def test_the_reporter_waits_for_the_monitor_sample_of_its_step(caplog: pytest.Lo
     assert all(len(line) <= 80 - TIME_WIDTH for line in lines[:2])
 
 
-def test_a_piped_run_prints_timed_lines_that_fit_and_says_where_its_files_are(tmp_path: Path) -> None:
-    r = run_cli("train", *TINY, "progress=auto", "monitor.every_n_steps=5", cwd=tmp_path, env={"COLUMNS": "80"})
-    assert r.returncode == 0, r.stderr
-    lines = r.stdout.splitlines()
+def test_a_piped_run_prints_timed_lines_that_fit_and_says_where_its_files_are(
+        tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """In this process, its output a captured file descriptor, which is not a terminal, as a
+    pipe is not (the pseudo-terminal's real process is the test below)."""
+    monkeypatch.setenv("COLUMNS", "80")
+    with kept_logging():
+        code = launch("train", *TINY, "progress=auto", "monitor.every_n_steps=5", cwd=tmp_path)
+    r = capfd.readouterr()
+    assert code == 0, r.err
+    lines = r.out.splitlines()
     (run_dir,) = [p.parent for p in tmp_path.rglob("summary.json")]
     shown = str(run_dir.relative_to(tmp_path))
     assert lines[0].endswith(f"run dir {shown}")
     assert lines[-1].endswith(f"run dir {shown}: checkpoints/, metrics.jsonl, summary.json, train.log")
-    assert all(TIMED.match(line) for line in lines), r.stdout
+    assert all(TIMED.match(line) for line in lines), r.out
     steps = [line for line in lines if re.search(r" step \d+/30 loss ", line)]
     assert len(steps) == 6 and all(len(line) <= 80 for line in steps)  # every 5 of 30 steps, one line each
     assert not any("monitor step" in line or "host CPU" in line for line in lines)  # a CPU's samples stay in the file

@@ -106,13 +106,19 @@ def test_the_ladder_skips_a_rung_the_model_cannot_take_and_turns_inherited_ones_
     assert gpt.skip is None and gpt.turned_off == []
 
 
-def test_a_refused_knob_in_a_plain_run_is_one_line_and_exit_2(tmp_path: Path) -> None:
-    from conftest import run_cli
+def test_a_refused_knob_in_a_plain_run_is_one_line_and_exit_2(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """In this process, its file descriptors captured (tests/test_cli.py checks a real
+    process's exit code and stderr for a refused setting)."""
+    from perfrun.commands.tune import kept_logging
+
+    from conftest import launch
 
     (tmp_path / "flat.py").write_text(FLAT)
-    r = run_cli("train", "model=custom", f"model.target={tmp_path / 'flat.py'}:Flat", "model.block_size=32",
-                "data=synthetic", "data.vocab_size=64", "checkpointing=full", "device=cpu", "max_steps=2",
-                f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
-    assert r.returncode == 2, r.stderr
-    err = [line for line in r.stderr.splitlines() if line.startswith("perfrun: error")]
-    assert len(err) == 1 and "checkpointing=full needs `blocks`" in err[0] and "Traceback" not in r.stderr
+    with kept_logging():
+        code = launch("train", "model=custom", f"model.target={tmp_path / 'flat.py'}:Flat", "model.block_size=32",
+                      "data=synthetic", "data.vocab_size=64", "checkpointing=full", "device=cpu", "max_steps=2",
+                      f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    out, stderr = capfd.readouterr()
+    assert code == 2, stderr
+    err = [line for line in stderr.splitlines() if line.startswith("perfrun: error")]
+    assert len(err) == 1 and "checkpointing=full needs `blocks`" in err[0] and "Traceback" not in out + stderr

@@ -92,12 +92,13 @@ def test_every_ranks_telemetry_reaches_rank_0s_log(ddp_run: Path) -> None:
     assert gpu_parts(monitors[0], monitors[0]["ranks"]) == []  # a CPU's samples stay off the console's step line
 
 
-def test_a_sweep_of_distributed_jobs_starts_torchrun_per_job(tmp_path: Path) -> None:
+def test_a_sweep_of_distributed_jobs_starts_torchrun_per_job(
+        tmp_path: Path, one_process_run: tuple[Path, dict[str, Any]]) -> None:
     """nproc=1,2: each job with nproc > 1 starts its own torchrun into its job folder. The
     jobs use loss=chunked, so the 2-rank job also shows the chunked loss under DDP training
     as loss=standard does in one process with the same global batch (a torchrun start fewer
-    than a run of its own; test_speed_knobs.py holds the FSDP2 case)."""
-    assert launch("train", "-m", *COMMON, "max_steps=4", "distributed=ddp", "nproc=1,2", "dataloader.batch_size=2",
+    than a run of its own; test_fsdp.py's 2-rank run holds the FSDP2 case)."""
+    assert launch("train", "-m", *COMMON, "distributed=ddp", "nproc=1,2", "dataloader.batch_size=2",
                   "checkpoint.at_end=false", "profile=true", "profiler.start_step=1", "profiler.warmup=0",
                   "profiler.active=1", *CHUNKED, cwd=tmp_path) == 0
     (sweep,) = tmp_path.glob("outputs/multirun/*/*")
@@ -105,9 +106,8 @@ def test_a_sweep_of_distributed_jobs_starts_torchrun_per_job(tmp_path: Path) -> 
     assert [s["status"] for s in summaries] == ["completed", "completed"]
     assert [s["knobs"]["loss"] for s in summaries] == [{"name": "chunked", "chunk_size": 24}] * 2
     # 2 ranks x batch 2 x 2 micro-steps, chunked, against one process x batch 4 x 2 micro-steps, standard
-    run(make_cfg(*COMMON, "max_steps=4", "dataloader.batch_size=4", "checkpoint.at_end=false"), tmp_path / "one")
-    a, b = losses(tmp_path / "one"), losses(sweep / "1")
-    assert sorted(a) == sorted(b) == [1, 2, 3, 4]
+    a, b = losses(one_process_run[0]), losses(sweep / "1")
+    assert sorted(a) == sorted(b) == list(range(1, STEPS + 1))
     assert all(abs(a[k] - b[k]) <= TOL * abs(a[k]) for k in a), (a, b)
     assert [s["world_size"] for s in summaries] == [1, 2]
     assert [s["tokens_per_step"] for s in summaries] == [2 * 2 * 32, 2 * 2 * 32 * 2]  # batch x accumulation x seq x ranks

@@ -43,12 +43,17 @@ STEPS = 6
 COMMON = RANKS_COMMON  # 6 steps of the tiny model, 2 micro-steps
 
 
+CHUNKED = ["loss=chunked", "loss.chunk_size=24"]  # 2 x 32 = 64 rows per rank: 3 chunks, the last one short
+
+
 @pytest.fixture(scope="module")
 def fsdp_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """2 ranks x batch 2 x 2 micro-steps, through ``perfrun train distributed=fsdp nproc=2``
-    (the launcher in this process; torchrun and the ranks are real processes)."""
+    (the launcher in this process; torchrun and the ranks are real processes), with the
+    chunked loss: held to one process with the standard loss, it shows both FSDP2 and the
+    chunked loss under FSDP2 (DDP's case is test_distributed.py's sweep)."""
     run_dir = tmp_path_factory.mktemp("fsdp") / "run"
-    assert launch("train", *COMMON, "distributed=fsdp", "nproc=2", "dataloader.batch_size=2",
+    assert launch("train", *COMMON, *CHUNKED, "distributed=fsdp", "nproc=2", "dataloader.batch_size=2",
                   "checkpoint.every_n_steps=3", "checkpoint.keep_last=5", f"hydra.run.dir={run_dir}",
                   cwd=run_dir.parent) == 0
     return run_dir
@@ -57,6 +62,8 @@ def fsdp_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_two_fsdp_ranks_match_one_process(fsdp_dir: Path, one_process_run: tuple[Path, dict[str, Any]]) -> None:
     s = json.loads((fsdp_dir / "summary.json").read_text())
     assert s["status"] == "completed" and s["world_size"] == 2 and s["knobs"]["distributed"] == "fsdp"
+    assert s["knobs"]["loss"] == {"name": "chunked", "chunk_size": 24}
+    assert one_process_run[1]["knobs"]["loss"] == {"name": "standard"}
     assert s["knobs"]["fsdp"] == {"shard_groups": 3, "param_dtype": "float32", "reduce_dtype": "float32",
                                   "reshard_after_forward": True, "reshard_last_block": False,
                                   "forward_prefetch": 0, "backward_prefetch": 0, "backend": "gloo"}
@@ -75,28 +82,6 @@ def test_every_rank_writes_its_shards_into_one_folder(fsdp_dir: Path) -> None:
     assert len(meta["rng_ranks"]) == 2
     assert not torch.equal(meta["rng_ranks"][0]["torch"], meta["rng_ranks"][1]["torch"])  # own dropout streams
     assert not list(fsdp_dir.rglob("*.partial"))
-
-
-def test_resume_on_the_same_ranks_is_exact_dropout_included(tmp_path: Path) -> None:
-    """With dropout each rank draws its own masks; resume gives every rank its own RNG back.
-    The resume is raw torchrun with no hydra.run.dir: rank 0 resolves outputs/DATE/TIME and
-    broadcasts it, so both ranks write into one run dir (DDP's exact resume, through the
-    launcher's resume=auto, is in test_distributed.py)."""
-    args = [*COMMON, "distributed=fsdp", "dataloader.batch_size=2", "model.dropout=0.1"]
-    p = torchrun(tmp_path, *args, "checkpoint.every_n_steps=3", f"hydra.run.dir={tmp_path / 'whole'}")
-    assert p.returncode == 0, p.stderr
-    cwd = tmp_path / "resume"
-    cwd.mkdir()
-    p = torchrun(cwd, *args, f"resume={tmp_path / 'whole' / 'checkpoints' / 'step_0000003'}")
-    assert p.returncode == 0, p.stderr
-    (resumed,) = cwd.glob("outputs/*/*")
-    assert len(list(cwd.rglob("metrics.jsonl"))) == 1 and (resumed / "summary.json").is_file()
-    assert [c.name for c in checkpoint_files.list_checkpoints(resumed / "checkpoints")] == ["step_0000006"]
-    a, b = losses(tmp_path / "whole"), losses(resumed)
-    assert sorted(b) == [4, 5, 6]
-    assert [a[k] for k in b] == [b[k] for k in b]  # bit for bit
-    s = json.loads((resumed / "summary.json").read_text())
-    assert s["start_step"] == 3 and s["data_position"] == json.loads((tmp_path / "whole" / "summary.json").read_text())["data_position"]
 
 
 @pytest.mark.parametrize("mode", ["fsdp", "none"])
@@ -200,31 +185,65 @@ def test_generate_and_export_read_a_sharded_checkpoint(
         torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_sigterm_stops_every_rank_at_one_step_and_the_sharded_save_resumes(tmp_path: Path) -> None:
+def _trained_to(metrics: Path, step: int) -> bool:
+    lines = metrics.read_text().splitlines() if metrics.is_file() else []
+    return any(r["kind"] == "train" and r["step"] >= step for r in map(json.loads, filter(None, lines)))
+
+
+def test_sigterm_stops_every_rank_at_one_step_and_the_same_ranks_resume_exactly(tmp_path: Path) -> None:
     """SIGTERM to ``perfrun train distributed=fsdp nproc=2`` (as a scheduler sends it): the
     launcher passes it to torchrun, which passes it to both ranks; they agree on one step,
-    write one sharded checkpoint together, and exit 143; resume=auto continues from there
-    (that launcher runs in this process, a process start fewer; its ranks are torchrun's)."""
-    args = [*COMMON, "distributed=fsdp", "dataloader.batch_size=2", f"hydra.run.dir={tmp_path / 'run'}"]
+    write one sharded checkpoint together, and exit 143. Its sharded checkpoints then resume
+    on the same 2 ranks:
+
+    - exactly, dropout included (each rank draws its own masks; resume gives every rank its
+      own RNG back): from the checkpoint two steps before the stop, the stopped run's last two
+      steps again, bit for bit. That resume is raw torchrun with no hydra.run.dir: rank 0 resolves
+      outputs/DATE/TIME and broadcasts it, so both ranks write into one run dir. The
+      learning rate is still warming up at every step here (optim.warmup_steps=1000), where
+      it depends on the step alone: the runs can stop at different max_steps and share it.
+    - through the launcher's resume=auto (in this process, a process start fewer; its ranks
+      are torchrun's), which continues the stopped run in its run dir from the stop.
+
+    DDP's exact resume, through resume=auto, is in test_distributed.py."""
+    args = [*COMMON, "distributed=fsdp", "dataloader.batch_size=2", "model.dropout=0.1", "optim.warmup_steps=1000",
+            "checkpoint.every_n_steps=1", "checkpoint.keep_last=3"]
+    stopped = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    p = subprocess.Popen([sys.executable, "-m", "perfrun", "train", *args, "nproc=2", "max_steps=100000"],
-                         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    metrics = tmp_path / "run" / "metrics.jsonl"
+    p = subprocess.Popen([sys.executable, "-m", "perfrun", "train", *args, f"hydra.run.dir={stopped}", "nproc=2",
+                          "max_steps=100000"], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
     end = time.monotonic() + 120
-    while not (metrics.exists() and metrics.stat().st_size > 0):
+    while not _trained_to(stopped / "metrics.jsonl", 3):  # checkpoints before the stop's to resume from
         assert time.monotonic() < end and p.poll() is None, p.stderr.read() if p.poll() is not None else "timeout"
         time.sleep(0.01)
     p.send_signal(signal.SIGTERM)
     out, err = p.communicate(timeout=60)
     assert p.returncode == 143 and "Traceback" not in err, err
-    s = json.loads((tmp_path / "run" / "summary.json").read_text())
+    s = json.loads((stopped / "summary.json").read_text())
     assert s["status"] == "interrupted" and s["interrupted_by"] == signal.SIGTERM
-    (ckpt,) = checkpoint_files.list_checkpoints(tmp_path / "run" / "checkpoints")
-    meta = checkpoint_files.load(ckpt)
-    assert meta["step"] == s["steps"] and meta["world_size"] == 2 and len(list(ckpt.glob("*.distcp"))) == 2
     stop = s["steps"]
-    assert launch("train", *args, "nproc=2", f"max_steps={stop + 2}", "resume=auto", cwd=tmp_path) == 0
-    s2 = json.loads((tmp_path / "run" / "summary.json").read_text())
+    before, middle, last = checkpoint_files.list_checkpoints(stopped / "checkpoints")  # keep_last=3
+    meta = checkpoint_files.load(last)
+    assert meta["step"] == stop and meta["world_size"] == 2 and len(list(last.glob("*.distcp"))) == 2
+    assert checkpoint_files.load(before)["step"] == stop - 2
+
+    cwd = tmp_path / "exact"
+    cwd.mkdir()
+    p2 = torchrun(cwd, *args, f"max_steps={stop}", f"resume={before}")
+    assert p2.returncode == 0, p2.stderr
+    (resumed,) = cwd.glob("outputs/*/*")
+    assert len(list(cwd.rglob("metrics.jsonl"))) == 1 and (resumed / "summary.json").is_file()
+    assert [c.name for c in checkpoint_files.list_checkpoints(resumed / "checkpoints")] == [middle.name, last.name]
+    a, b = losses(stopped), losses(resumed)
+    assert sorted(b) == [stop - 1, stop]
+    assert [a[k] for k in b] == [b[k] for k in b]  # bit for bit
+    s_exact = json.loads((resumed / "summary.json").read_text())
+    assert s_exact["start_step"] == stop - 2 and s_exact["data_position"] == s["data_position"]
+
+    assert launch("train", *args, f"hydra.run.dir={stopped}", "nproc=2", f"max_steps={stop + 2}", "resume=auto",
+                  cwd=tmp_path) == 0
+    s2 = json.loads((stopped / "summary.json").read_text())
     assert s2["status"] == "completed" and s2["start_step"] == stop and s2["steps"] == stop + 2
 
 

@@ -216,20 +216,20 @@ def test_flops_and_eager_attention(attention: str) -> None:
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny Llama trained 20 steps (Python source, bytes), checkpointed at steps 10 and 20."""
+    """A tiny Llama trained 20 steps (Python source, bytes), checkpointed at steps 8, 16 and 20."""
     d = tmp_path_factory.mktemp("llama")
-    run(make_cfg(*LLAMA, "max_steps=20", "log_every=1", "checkpoint.every_n_steps=10", "checkpoint.keep_last=5"), d)
+    run(make_cfg(*LLAMA, "max_steps=20", "log_every=1", "checkpoint.every_n_steps=8", "checkpoint.keep_last=5"), d)
     return d
 
 
 def test_a_tiny_llama_trains_and_resumes_exactly(trained: Path, tmp_path: Path) -> None:
     full = losses(trained)
     assert full[20] < full[1] - 0.5, full  # it learns
-    resumed = run(make_cfg(*LLAMA, "max_steps=20", "log_every=1", f"resume={trained / 'checkpoints' / 'step_0000010.pt'}"),
+    resumed = run(make_cfg(*LLAMA, "max_steps=20", "log_every=1", f"resume={trained / 'checkpoints' / 'step_0000016.pt'}"),
                   tmp_path)
     again = losses(tmp_path)
-    assert resumed["start_step"] == 10 and sorted(again) == list(range(11, 21))
-    assert [again[k] for k in range(11, 21)] == [full[k] for k in range(11, 21)]  # bit for bit
+    assert resumed["start_step"] == 16 and sorted(again) == list(range(17, 21))
+    assert [again[k] for k in range(17, 21)] == [full[k] for k in range(17, 21)]  # bit for bit
 
 
 @pytest.mark.parametrize(("override", "named"), [("model.n_kv_head=4", "n_kv_head 2 vs 4"),
@@ -241,7 +241,7 @@ def test_resume_with_another_llama_shape_or_rope_is_refused_naming_it(trained: P
     from perfrun.config import ConfigError
 
     with pytest.raises(ConfigError, match="another model shape") as refused:
-        run(make_cfg(*LLAMA, override, "max_steps=20", f"resume={trained / 'checkpoints' / 'step_0000010.pt'}"),
+        run(make_cfg(*LLAMA, override, "max_steps=20", f"resume={trained / 'checkpoints' / 'step_0000008.pt'}"),
             tmp_path)
     assert named in str(refused.value) and "\n" not in str(refused.value)
 

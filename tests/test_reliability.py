@@ -43,28 +43,35 @@ def test_checkpoint_contents_load_with_weights_only(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("extra", [
-    [], ["model.dropout=0.1", "accumulation.steps=2"], ["precision=bf16"], ["precision=fp16"],
+    # the gradient scaler's state, dropout's random masks and the micro-steps, together
+    pytest.param(["precision=fp16", "model.dropout=0.1", "accumulation.steps=2"], id="fp16-dropout-accumulation"),
+    pytest.param(["precision=bf16"], id="bf16"),  # autocast without a scaler (fp32's state, another dtype)
     # the CUDA input path: host batches copied ahead on a side stream, or drawn on the device
     pytest.param(["device=cuda", "data=pysource", "accumulation.steps=2"], marks=pytest.mark.gpu, id="cuda-pysource"),
     pytest.param(["device=cuda", "data=synthetic", "accumulation.steps=2"], marks=pytest.mark.gpu, id="cuda-synthetic"),
 ])
 def test_resume_is_bit_exact(tmp_path: Path, extra: list[str]) -> None:
-    """Stopped at step 10 and resumed, the run's losses at steps 11-20 equal the
-    uninterrupted run's bit for bit: fp32, with dropout's random masks and accumulation,
-    under bf16 and fp16 autocast (the gradient scaler's state included), and on CUDA with
-    batches read ahead or drawn on the device (their position included). The paths with
-    more than one rank resume exactly in test_distributed.py (DDP, through resume=auto) and
-    test_fsdp.py (FSDP2 with dropout), beside the 2-rank runs they share; a checkpoint of an
-    earlier perfrun in test_checkpoint_format.py."""
-    common = ["max_steps=20", "log_every=1", "dataloader.batch_size=8", *extra]
-    full = run(make_cfg(*common, "checkpoint.every_n_steps=10", "checkpoint.keep_last=5"), tmp_path / "full")
-    ckpt = tmp_path / "full" / "checkpoints" / "step_0000010.pt"
+    """Stopped at step 4 and resumed, the run's losses at steps 5-8 equal the uninterrupted
+    run's bit for bit, one case per path whose saved state differs: under fp16 autocast with
+    dropout and accumulation (the gradient scaler's state, every random generator, the
+    micro-steps' data position), under bf16 autocast (no scaler: fp32's state), and on CUDA
+    with batches read ahead or drawn on the device (their position included). The paths
+    with more than one rank resume exactly in test_distributed.py (DDP, through resume=auto)
+    and test_fsdp.py (FSDP2 with dropout), beside the 2-rank runs they share; a checkpoint
+    of an earlier perfrun in test_checkpoint_format.py."""
+    common = ["max_steps=8", "log_every=1", "dataloader.batch_size=8", *extra]
+    full = run(make_cfg(*common, "checkpoint.every_n_steps=4", "checkpoint.keep_last=5"), tmp_path / "full")
+    ckpt = tmp_path / "full" / "checkpoints" / "step_0000004.pt"
     resumed = run(make_cfg(*common, f"resume={ckpt}"), tmp_path / "resumed")
     a, b = losses_by_step(tmp_path / "full"), losses_by_step(tmp_path / "resumed")
-    assert sorted(b) == list(range(11, 21)) and resumed["start_step"] == 10
-    assert [a[k] for k in range(11, 21)] == [b[k] for k in range(11, 21)]
+    assert sorted(b) == list(range(5, 9)) and resumed["start_step"] == 4
+    assert [a[k] for k in range(5, 9)] == [b[k] for k in range(5, 9)]
     assert resumed["tokens"] == full["tokens"] and resumed["data_position"] == full["data_position"]
     assert resumed["final_val_loss"] == full["final_val_loss"]
+    scales = [{r["step"]: r.get("loss_scale") for r in map(json.loads, (tmp_path / d / "metrics.jsonl").read_text()
+                                                          .splitlines()) if r["kind"] == "train"} for d in ("full", "resumed")]
+    assert [scales[0][k] for k in range(5, 9)] == [scales[1][k] for k in range(5, 9)]  # the scaler's state came back
+    assert (scales[1][8] is not None) == ("precision=fp16" in extra)
 
 
 def test_resume_auto_finds_the_latest_in_the_run_dir(tmp_path: Path) -> None:

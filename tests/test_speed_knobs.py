@@ -1,6 +1,6 @@
 """The speed knobs wired into the trainer: ``loss=chunked`` trains as ``loss=standard``
-does (alone, with accumulation, under FSDP2 with 2 gloo ranks, compiled whole; under DDP
-in test_distributed.py's sweep), each knob is named in summary.json, and the CUDA input
+does (alone, with accumulation, compiled whole; under FSDP2 with 2 gloo ranks in
+test_fsdp.py's 2-rank run, under DDP in test_distributed.py's sweep), each knob is named in summary.json, and the CUDA input
 path (batches read ahead, or drawn on the device) keeps the order and the resume position
 of the plain stream (its exact resume: test_reliability.py's test_resume_is_bit_exact)."""
 
@@ -23,7 +23,7 @@ from perfrun.models.gpt import GPT, GPTConfig
 from perfrun.models.losses import build
 from perfrun.validate import validate
 
-from conftest import TINY_MODEL, launch, losses, make_cfg
+from conftest import TINY_MODEL, losses, make_cfg
 
 TOL = 1e-5  # relative; fp32 sums in another order
 STEPS = 4
@@ -54,20 +54,6 @@ def test_chunked_trains_as_standard(standard_runs: dict[int, Path], micro: int, 
     assert_close(losses(standard_runs[micro]), losses(tmp_path))
     standard = json.loads((standard_runs[micro] / "summary.json").read_text())
     assert standard["knobs"]["loss"] == {"name": "standard"}
-
-
-@pytest.mark.parametrize("mode", ["fsdp"])
-def test_chunked_under_two_ranks_trains_as_standard_in_one_process(
-    standard_runs: dict[int, Path], mode: str, tmp_path: Path,
-) -> None:
-    """2 ranks x batch 2 x 2 micro-steps against one process x batch 4 x 2 micro-steps.
-    DDP's case is the 2-rank job of test_distributed.py's sweep (its own torchrun start
-    already, so no second one here)."""
-    assert launch("train", *COMMON, *CHUNKED, f"distributed={mode}", "nproc=2", "dataloader.batch_size=2",
-                  "accumulation.steps=2", f"hydra.run.dir={tmp_path}", cwd=tmp_path) == 0  # torchrun's ranks
-    s = json.loads((tmp_path / "summary.json").read_text())
-    assert s["world_size"] == 2 and s["knobs"]["distributed"] == mode and s["knobs"]["loss"]["name"] == "chunked"
-    assert_close(losses(standard_runs[2]), losses(tmp_path))
 
 
 def test_compiled_gpt_with_the_chunked_loss_has_no_graph_break() -> None:

@@ -24,20 +24,24 @@ from perfrun.commands.train import train_main
 from perfrun.commands.tune import kept_logging
 from perfrun.config import config_dir, register_configs
 
-from conftest import REPO, TINY_MODEL, run_cli
+from conftest import REPO, TINY_MODEL, launch
 
 QUICK = [*TINY_MODEL, "max_steps=6", "log_every=3", "eval_batches=1", "device=cpu", "progress=off",
          "monitor.every_n_steps=0", "timing_warmup_steps=1"]
 
 
 def test_sweep_with_a_bad_value_goes_on_and_report_reproduces_it(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, restore_logging: None
 ) -> None:
+    """The sweep in this process, its file descriptors captured (a sweep in a real process
+    is tests/test_cli.py's, and test_sweep_stop.py's)."""
     sweep = tmp_path / "sweep"
-    r = run_cli("train", "-m", "dataloader.batch_size=0,2", *QUICK, f"hydra.sweep.dir={sweep}", cwd=tmp_path)
-    assert r.returncode == 1, r.stderr  # a job failed: the sweep says so at the end
-    assert "Traceback" not in r.stderr + r.stdout
-    assert "dataloader.batch_size=0 must be >= 1" in r.stderr and "1 job(s) of the sweep failed" in r.stderr
+    monkeypatch.setenv("COLUMNS", "200")
+    code = launch("train", "-m", "dataloader.batch_size=0,2", *QUICK, f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    r = capfd.readouterr()
+    assert code == 1, r.err  # a job failed: the sweep says so at the end
+    assert "Traceback" not in r.err + r.out
+    assert "dataloader.batch_size=0 must be >= 1" in r.err and "1 job(s) of the sweep failed" in r.err
 
     jobs = [json.loads((sweep / str(i) / "summary.json").read_text()) for i in range(2)]
     assert [j["status"] for j in jobs] == ["failed", "completed"]
@@ -62,11 +66,11 @@ def test_sweep_with_a_bad_value_goes_on_and_report_reproduces_it(
 
     # perfrun report reproduces the callback's files and table exactly
     assert report_main([str(sweep), "--csv"]) == 0
-    assert capsys.readouterr().out == (sweep / report.SWEEP_CSV).read_text()
+    assert capfd.readouterr().out == (sweep / report.SWEEP_CSV).read_text()
     assert report_main([str(sweep), "--json"]) == 0
-    assert capsys.readouterr().out == (sweep / report.SWEEP_JSON).read_text()
-    table = report.render_text(report.load([sweep]), width=200)  # run_cli sets COLUMNS=200
-    assert table.strip() and table in r.stdout
+    assert capfd.readouterr().out == (sweep / report.SWEEP_JSON).read_text()
+    table = report.render_text(report.load([sweep]), width=200)  # COLUMNS=200 above
+    assert table.strip() and table in r.out
 
 
 @pytest.fixture

@@ -12,9 +12,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from perfrun.commands.report import main as report_main
+from perfrun.commands.tune import kept_logging
 from perfrun.report import load
 
-from conftest import REPO, TINY, run_cli, wait_for
+from conftest import REPO, TINY, launch, wait_for
 
 QUICK = [o for o in TINY if not o.startswith("max_steps")] + ["max_steps=40", "log_every=1"]
 
@@ -24,7 +28,8 @@ def _trained(job: Path) -> bool:
     return any(json.loads(r).get("kind") == "train" for r in rows if r.strip())
 
 
-def test_sigterm_mid_sweep_keeps_the_finished_job_and_resume_runs_only_the_rest(tmp_path: Path) -> None:
+def test_sigterm_mid_sweep_keeps_the_finished_job_and_resume_runs_only_the_rest(
+        tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     sweep = tmp_path / "sweep"
     log = tmp_path / "sweep.log"
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
@@ -45,17 +50,18 @@ def test_sigterm_mid_sweep_keeps_the_finished_job_and_resume_runs_only_the_rest(
     assert "failed" not in err
     first = (sweep / "0" / "summary.json").read_text()
 
-    report = run_cli("report", str(sweep), cwd=tmp_path)
-    assert report.returncode == 0, report.stderr
-    command = next(line for line in report.stdout.splitlines() if "resume=auto" in line)
+    monkeypatch.setenv("COLUMNS", "200")  # the command on one line, as a wide terminal shows it
+    assert report_main([str(sweep)]) == 0
+    command = next(line for line in capfd.readouterr().out.splitlines() if "resume=auto" in line)
     args = shlex.split(command[command.index("perfrun train"):])
     assert args[:3] == ["perfrun", "train", "-m"] and f"hydra.sweep.dir={sweep}" in args
     assert "resume=auto" in err.replace("\n", " ")  # the stop said how to finish it too
 
-    done = run_cli(*args[1:], cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-2000:]
+    with kept_logging():  # the printed command, in this process (the stop above is the real process)
+        assert launch(*args[1:], cwd=tmp_path) == 0
+    done = capfd.readouterr()
     assert (sweep / "0" / "summary.json").read_text() == first  # measured before: not run again
-    assert "already completed" in done.stdout + done.stderr
+    assert "already completed" in done.out + done.err
     rows = {r.job: r for r in load([sweep]).rows}
     assert rows["1"].status == "completed" and rows["0"].status == "completed"
     assert json.loads((sweep / "1" / "summary.json").read_text())["steps"] == 40

@@ -53,23 +53,74 @@ def test_default_data_learns_beyond_unigram(tmp_path: Path) -> None:
     assert losses[0] > losses[-1] + 1.0
 
 
+def watch_training_forwards(monkeypatch: pytest.MonkeyPatch) -> list[tuple[torch.dtype, int]]:
+    """Per training forward of the run's GPT: the dtype its first block's MLP produced and
+    how many tensors autograd kept for the backward (the FLOP count's forward on fake
+    tensors, and evaluation's without grad, left out). Cleared by the caller between runs."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    seen: list[tuple[torch.dtype, int]] = []
+    real = GPT.forward
+
+    def forward(self: GPT, idx: torch.Tensor, *args: object, **kwargs: object) -> object:
+        if isinstance(idx, FakeTensor) or not torch.is_grad_enabled():
+            return real(self, idx, *args, **kwargs)
+        got: dict = {"saved": 0}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            got["saved"] += 1
+            return t
+
+        def note_dtype(module: torch.nn.Module, args: tuple, out: torch.Tensor) -> None:
+            got.setdefault("dtype", out.dtype)
+
+        handle = self.blocks[0].mlp.c_fc.register_forward_hook(note_dtype)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = real(self, idx, *args, **kwargs)
+        finally:
+            handle.remove()
+        seen.append((got["dtype"], got["saved"]))
+        return out
+
+    monkeypatch.setattr(GPT, "forward", forward)
+    return seen
+
+
 # every precision with every checkpointing, each of them under both accumulations (pairwise:
-# 9 runs instead of 18); what each knob changes is held in test_knob_effects.py
-MATRIX = [(p, c, 1 + (i + j) % 2) for i, p in enumerate(["none", "bf16", "fp16"])
-          for j, c in enumerate(["none", "full", "selective"])]
+# 9 runs instead of 18); each run is held to what its knobs change, in the trainer itself
+PRECISIONS = {"none": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+CHECKPOINTING = ["none", "full", "selective"]
 
 
-@pytest.mark.parametrize(("precision", "checkpointing", "accum"), MATRIX)
-def test_knob_matrix_runs(tmp_path: Path, precision: str, checkpointing: str, accum: int) -> None:
-    cfg = make_cfg(f"precision={precision}", f"checkpointing={checkpointing}", f"accumulation.steps={accum}",
-                   "max_steps=4", "log_every=2", "timing_warmup_steps=1")
-    s = run(cfg, tmp_path)
-    assert s["status"] == "completed"
-    assert s["knobs"]["precision"] == precision
-    assert s["knobs"]["checkpointed_blocks"] == {"none": 0, "full": 2, "selective": 1}[checkpointing]
-    assert s["tokens_per_step"] == 4 * 32 * accum
-    assert s.get("knobs", {}).get("grad_scaler", False) == (precision == "fp16")
-    assert all(math.isfinite(x) for x in train_losses(tmp_path))
+@pytest.mark.parametrize("precision", list(PRECISIONS))
+def test_knob_matrix_changes_what_each_knob_changes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    precision: str) -> None:
+    """Under one precision, the three checkpointings (accumulation 1 or 2, alternating over
+    the matrix): the activations take the precision's dtype, checkpointing keeps fewer
+    tensors for the backward (full < selective < none), accumulation runs that many forwards
+    a step, and only fp16 scales its loss (a loss scale logged at every logged step)."""
+    forwards = watch_training_forwards(monkeypatch)
+    saved = {}
+    i = list(PRECISIONS).index(precision)
+    for j, checkpointing in enumerate(CHECKPOINTING):
+        accum = 1 + (i + j) % 2
+        forwards.clear()
+        cfg = make_cfg(f"precision={precision}", f"checkpointing={checkpointing}", f"accumulation.steps={accum}",
+                       "max_steps=4", "log_every=2", "timing_warmup_steps=1")
+        s = run(cfg, tmp_path / checkpointing)
+        assert s["status"] == "completed"
+        assert s["knobs"]["precision"] == precision
+        assert s["knobs"]["checkpointed_blocks"] == {"none": 0, "full": 2, "selective": 1}[checkpointing]
+        assert s["tokens_per_step"] == 4 * 32 * accum
+        assert s.get("knobs", {}).get("grad_scaler", False) == (precision == "fp16")
+        assert all(math.isfinite(x) for x in train_losses(tmp_path / checkpointing))
+        assert len(forwards) == 4 * accum, (checkpointing, len(forwards))  # micro-steps
+        assert {dtype for dtype, _ in forwards} == {PRECISIONS[precision]}, forwards
+        (saved[checkpointing],) = {n for _, n in forwards}
+        scales = [r.get("loss_scale") for r in read_metrics(tmp_path / checkpointing) if r["kind"] == "train"]
+        assert len(scales) == 2 and all((x is not None) == (precision == "fp16") for x in scales), scales
+    assert saved["full"] < saved["selective"] < saved["none"], saved
 
 
 def test_full_checkpointing_gives_the_same_losses(tmp_path: Path) -> None:
