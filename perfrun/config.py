@@ -205,6 +205,7 @@ class AblationConfig:
     acts_on: str = "any"  # any | cuda | fp8 (FP8 tensor cores): where the rung's knob can act
     why: str = ""  # what the knob does (and why it cannot act elsewhere)
     repeats: int = 3  # +sweep=ablation: jobs per rung (repeat=0..repeats-1, interleaved)
+    tradeoff_repeats: int = 2  # a memory trade-off rung runs in repeats 0..tradeoff_repeats-1 only
     budget_s: float | None = None  # seconds a job trains (after warm-up + 10 steady steps); null: max_steps
     target_s: float | None = None  # +sweep=ablation: the ladder's wall-time aim, shared out as job budgets
 

@@ -77,6 +77,7 @@ _MINIMUMS = (  # key, lowest value, why (said in the error)
     ("optim.warmup_steps", 0, ""), ("checkpointing.every_k", 0, ""), ("checkpoint.every_n_steps", 0, ""),
     ("checkpoint.keep_last", 1, ""), ("guard.max_bad_steps", 1, ""), ("profiler.start_step", 0, ""),
     ("profiler.warmup", 0, ""), ("profiler.active", 1, ""), ("profiler.snapshot_entries", 1, ""),
+    ("ablation.tradeoff_repeats", 1, " (the repeats a memory trade-off rung of the ladder runs)"),
 )
 
 

@@ -174,17 +174,27 @@ def test_auto_bad_budget_is_one_line(tmp_path: Path, extra: list[str], words: st
     assert json.loads((tmp_path / "summary.json").read_text())["status"] == "failed"
 
 
-def test_a_repeat_of_the_same_job_reuses_its_search_and_another_job_searches(tmp_path: Path) -> None:
-    """What a sweep holds (FoundBatches): repeat 1 takes repeat 0's batch without a trial; a job
-    that differs in anything but the repeat's number searches for itself."""
+def test_a_repeat_of_the_same_job_reuses_its_search_and_another_job_searches() -> None:
+    """FoundBatches, as a sweep holds it (the real sweep: tests/test_ladder_once.py): what
+    differs between repeats (the repeat's number, whether repeat 0 tracks the memory) keys the
+    same search; any other difference, or another device, searches again."""
+    from perfrun.config import as_dict
     from perfrun.loop.found_batches import FoundBatches
 
-    found = FoundBatches()
-    auto = ["max_steps=1", "dataloader.batch_size=auto", "dataloader.memory_budget_mib=3"]
-    first = run(make_cfg(*auto, "repeat=0"), tmp_path / "0", found=found)["batch_size_auto"]
-    again = run(make_cfg(*auto, "repeat=1"), tmp_path / "1", found=found)["batch_size_auto"]
-    other = run(make_cfg(*auto, "repeat=1", "checkpointing=full"), tmp_path / "2", found=found)["batch_size_auto"]
-    assert first["searched_by"] == f"the job in {tmp_path / '0'}" and first["search_s"] > 0 and first["trials"]
-    assert again["searched_by"] == first["searched_by"] and again["search_s"] == 0.0
-    assert again["batch_size"] == first["batch_size"] and again["trials"] == first["trials"]
-    assert other["searched_by"] == f"the job in {tmp_path / '2'}" and other["max_fit"] > first["max_fit"]
+    found, searches = FoundBatches(), []
+
+    def search() -> dict[str, object]:
+        searches.append(1)
+        return {"batch_size": 10 + len(searches), "search_s": 1.5, "trials": [[8, True, 1.0]]}
+
+    def key(*overrides: str, device: str = "cpu") -> str:
+        return FoundBatches.key(as_dict(make_cfg("dataloader.batch_size=auto", *overrides)), torch.device(device))
+
+    first = found.reuse_or_search(key("repeat=0", "memory.breakdown=true"), search, "the job in 0")
+    again = found.reuse_or_search(key("repeat=3", "memory.breakdown=false"), search, "the job in 3")
+    assert first == {"batch_size": 11, "search_s": 1.5, "trials": [[8, True, 1.0]], "searched_by": "the job in 0"}
+    assert again == {**first, "search_s": 0.0} and len(searches) == 1
+    other = found.reuse_or_search(key("repeat=3", "checkpointing=full"), search, "the job in 4")
+    elsewhere = found.reuse_or_search(key("repeat=0", "memory.breakdown=true", device="meta"), search, "the job in 5")
+    assert (other["batch_size"], other["searched_by"]) == (12, "the job in 4")
+    assert (elsewhere["batch_size"], elsewhere["searched_by"]) == (13, "the job in 5") and len(searches) == 3

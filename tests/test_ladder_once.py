@@ -1,6 +1,7 @@
 """What a ladder measures once, not in every repeat: one step's memory is the same in every
 repeat, so a rung's memory breakdown is taken in repeat 0 and the largest batch is searched
-for in repeat 0; later repeats measure speed only, and say whose figures they reuse."""
+for in repeat 0; later repeats measure speed only, and say whose figures they reuse. A memory
+trade-off rung runs in its first ablation.tradeoff_repeats repeats only."""
 
 from __future__ import annotations
 
@@ -31,18 +32,21 @@ def test_repeat_0_takes_the_memory_breakdown_and_the_batch_search(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, restore_logging: None) -> None:
     monkeypatch.chdir(tmp_path)
     sweep = tmp_path / "sweep"
-    assert train_main(["-m", "+sweep=ablation", "ablation.repeats=2", "+ablation=naive,largest_batch", *QUICK,
+    assert train_main(["-m", "+sweep=ablation", "ablation.repeats=3", "+ablation=naive,largest_batch", *QUICK,
                        "ablation.target_s=null", f"hydra.sweep.dir={sweep}"]) == 0
-    jobs = [json.loads((sweep / str(i) / "summary.json").read_text()) for i in range(4)]  # repeat 0: 0, 1
-    assert [j["status"] for j in jobs] == ["completed"] * 4
-    tracked = [bool(((j.get("memory") or {}).get("breakdown") or {}).get("categories_bytes")) for j in jobs]
-    assert tracked == [True, True, False, False]
+    jobs = [json.loads((sweep / str(i) / "summary.json").read_text()) for i in range(6)]  # repeat 0: 0, 1
+    assert [j["status"] for j in jobs] == ["completed"] * 5 + ["skipped"]
+    assert "ablation.tradeoff_repeats=2" in jobs[5]["reason"] and "memory is the same" in jobs[5]["reason"]
+    plan = json.loads((sweep / "sweep_estimate.json").read_text())
+    assert plan["kinds"][5] is None and plan["per_job_s"][5] == 0.0 and plan["kinds"][3] is not None
+    tracked = [bool(((j.get("memory") or {}).get("breakdown") or {}).get("categories_bytes")) for j in jobs[:5]]
+    assert tracked == [True, True, False, False, False]
     first, again = jobs[1]["batch_size_auto"], jobs[3]["batch_size_auto"]
     assert first["searched_by"] == f"the job in {sweep / '1'}" and first["trials"]
     assert again["searched_by"] == first["searched_by"] and again["search_s"] == 0.0
     assert again["batch_size"] == first["batch_size"] == jobs[3]["config"]["dataloader"]["batch_size"]
     summary = json.loads((sweep / "sweep_summary.json").read_text())
     naive = next(e for e in summary["ladder"] if e["rung"] == "naive")
-    assert naive["memory_breakdown"]["jobs"] == 1 and naive["n"] == 2  # speed from both repeats, memory from one
+    assert naive["memory_breakdown"]["jobs"] == 1 and naive["n"] == 3  # speed from every repeat, memory from one
     largest = next(t for t in summary["tradeoffs"] if t.get("largest_batch_job") == "largest_batch")
     assert largest["largest_batch"] == first["batch_size"]

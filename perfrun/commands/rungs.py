@@ -18,10 +18,10 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from perfrun.checkpoint.atomic import write_json
-from perfrun.config import ConfigError, TrainConfig, as_dict
+from perfrun.config import AblationConfig, ConfigError, TrainConfig, as_dict
 from perfrun.device_conditions import device_kind, rung_applies
 from perfrun.summary import RunSummary, read_summary
 
@@ -59,6 +59,10 @@ def decide(cfg: TrainConfig) -> Decision:
         raise ConfigError(str(e)) from None
     if not on_device:
         return Decision(cfg, skip=f"not applicable on {device_kind(cfg.device)}: {cfg.ablation.why}")
+    if beyond_tradeoff_repeats(cfg.ablation, cfg.repeat):
+        n = cfg.ablation.tradeoff_repeats
+        return Decision(cfg, skip=f"measured in its first {n} repeat(s) only (ablation.tradeoff_repeats={n}): a memory "
+                                  "trade-off's memory is the same in every repeat, and the verdict does not read its speed")
     from perfrun.models.build import shape_only
     from perfrun.models.contract import knob_fits, missing
 
@@ -76,6 +80,13 @@ def decide(cfg: TrainConfig) -> Decision:
             decision.turned_off.append(override)
             log.info(f"rung {cfg.ablation.rung}: {override} here ({fit.reason})")
     return decision
+
+
+def beyond_tradeoff_repeats(ablation: AblationConfig | Any, repeat: int) -> bool:
+    """A memory trade-off rung (checkpointing, accumulation, the largest batch) past its
+    repeats: what it measures is memory, the same in every repeat; its speed, measured in
+    the repeats it runs, is reported apart and never read by the verdict."""
+    return str(ablation.kind) == "tradeoff" and int(repeat) >= int(ablation.tradeoff_repeats)
 
 
 def skip(cfg: TrainConfig, run_dir: Path | None, overrides: list[str], reason: str) -> RunSummary:

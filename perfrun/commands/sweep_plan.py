@@ -64,9 +64,11 @@ class Timing:
     def job_s(self, steps: int, budget_s: float | None) -> float:
         train = self.first_step_s + max(steps - 1, 0) * self.step_s
         if budget_s is not None:
-            from perfrun.loop.budget import MIN_STEADY_STEPS
+            from perfrun.loop.budget import MIN_STEADY_STEPS, MIN_STEADY_STEPS_SLOW, SLOW_STEADY_S
 
-            floor = self.first_step_s + MIN_STEADY_STEPS * self.step_s
+            slow = max(MIN_STEADY_STEPS_SLOW * self.step_s, budget_s, SLOW_STEADY_S)
+            steady = min(MIN_STEADY_STEPS * self.step_s, slow)
+            floor = self.first_step_s + steady
             train = min(train, max(budget_s, floor))
         return self.setup_s + train + self.eval_s
 
@@ -115,6 +117,7 @@ def make_plan(config: DictConfig, jobs: list[list[str]]) -> SweepPlan:
     """Compose each distinct rung, calibrate each kind once, and budget the slow kinds."""
     from hydra.core.global_hydra import GlobalHydra
 
+    from perfrun.commands.rungs import beyond_tradeoff_repeats
     from perfrun.device_conditions import rung_applies
 
     loader = GlobalHydra.instance().config_loader()
@@ -129,7 +132,9 @@ def make_plan(config: DictConfig, jobs: list[list[str]]) -> SweepPlan:
                 del job_cfg["hydra"]
             composed[key] = job_cfg
         cfg = composed[key]
-        applies = rung_applies(str(cfg.ablation.acts_on), str(cfg.device))
+        repeat = next((int(o.split("=", 1)[1]) for o in job if o.startswith("repeat=")), 0)
+        applies = rung_applies(str(cfg.ablation.acts_on), str(cfg.device)) and not beyond_tradeoff_repeats(
+            cfg.ablation, repeat)
         kinds.append(kind_of(cfg) if applies else None)
         steps.append(int(cfg.max_steps))
     plan = SweepPlan(kinds, steps)

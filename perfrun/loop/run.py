@@ -14,6 +14,7 @@ import gc
 import logging
 import shlex
 import signal
+import sys
 import time
 from collections.abc import Sequence
 from contextlib import ExitStack
@@ -253,8 +254,16 @@ def _oom_message(cfg: TrainConfig, device: torch.device, batch_size: int | None)
 
 
 def _release(device: torch.device | None) -> None:
-    """Give back what this job took, so the next job of a sweep starts clean."""
+    """Give back what this job took, so the next job of a sweep starts clean.
+
+    After a job that ended without an exception, what survives the full collection (torch's,
+    its compiler's and Hydra's objects: reachable, so alive) is frozen out of the collector's
+    sight: the next job's collections scan only what that job made (a full collection over
+    them took about 0.4 s a job on a 2-core CPU, in every job of a sweep). Not after a failed
+    job: its traceback's frames may still hold its tensors, which must stay collectable."""
     gc.collect()
+    if sys.exc_info()[0] is None:
+        gc.freeze()
     if device is not None and device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
