@@ -109,3 +109,27 @@ def test_a_slow_step_fills_its_budget_with_fewer_steady_steps(monkeypatch: pytes
             if b.spent(step):
                 break
         assert step == stops_after and b.summary()["budget"]["steady_steps"] == stops_after - 2
+
+
+def test_the_budgets_are_replanned_after_each_job_to_end_within_the_target(tmp_path: Path) -> None:
+    """Jobs that ran twice their estimate (a graph compiled for the first time, a batch search):
+    the jobs left get a smaller shared budget, written where they read it, so that they fit
+    the time left; jobs on time leave the budget where it is."""
+    from perfrun.commands import sweep_plan
+    from perfrun.commands.sweep_plan import SweepPlan, Timing
+
+    t = Timing(setup_s=0.5, first_step_s=1.0, step_s=0.1, eval_s=0.0)
+    plan = SweepPlan(kinds=["none/eager"] * 20, steps=[100] * 20, timings={"none/eager": t})
+    plan.budgets, plan.why = {"none/eager": 5.0}, {"none/eager": "the ladder would overrun ablation.target_s=100"}
+    sweep_plan.write_estimate(tmp_path, plan, 0.0)
+    per_job = plan.job_s(0)  # 0.5 + 5.0: the budget bounds the training
+    line = sweep_plan.replan(plan, tmp_path, done=set(range(10)), elapsed_s=2 * 10 * per_job, target_s=200)
+    budget = json.loads((tmp_path / sweep_plan.ESTIMATE_FILE).read_text())["budgets"]["none/eager"]
+    left_s = 200 - 2 * 10 * per_job  # 90 s for the 10 jobs left, at twice their estimate
+    assert 3.5 < budget < 5.0 and 2 * 10 * (0.5 + budget) <= left_s + 0.5
+    assert line is not None and "2.0x their estimate" in line and f"{budget:g} s each" in line
+    on_time = SweepPlan(kinds=["none/eager"] * 20, steps=[100] * 20, timings={"none/eager": t})
+    on_time.budgets, on_time.why = {"none/eager": 4.5}, dict(plan.why)
+    sweep_plan.write_estimate(tmp_path, on_time, 0.0)
+    assert sweep_plan.replan(on_time, tmp_path, done=set(range(10)), elapsed_s=10 * on_time.job_s(0),
+                             target_s=20 * on_time.job_s(0)) is None

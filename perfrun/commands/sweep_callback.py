@@ -68,6 +68,9 @@ class SweepSummary(Callback):
     on multirun end: sweep_summary.csv/.json/.png in the sweep dir and the table on the console."""
 
     eta: Any = None
+    plan: Any = None  # a ladder's SweepPlan, re-budgeted after each job toward ablation.target_s
+    target_s: float | None = None
+    t_start: float = 0.0
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         repeats = OmegaConf.select(config, "ablation.repeats")
@@ -83,7 +86,13 @@ class SweepSummary(Callback):
             Console(highlight=False, soft_wrap=True).print(
                 "sweep: the jobs save no checkpoints (checkpoint.at_end=false: a measurement); "
                 "add checkpoint.at_end=true to keep them", markup=False)
-        self.eta = _estimate(config)
+        import time
+
+        self.t_start = time.perf_counter()
+        self.eta, self.plan = _estimate(config)
+        target = OmegaConf.select(config, "ablation.target_s")
+        user_budget = OmegaConf.select(config, "ablation.budget_s")
+        self.target_s = float(target) if self.plan is not None and target is not None and user_budget is None else None
 
     def on_job_end(self, config: DictConfig, **kwargs: Any) -> None:
         """done/total jobs, the elapsed time and what is left, after every job."""
@@ -91,7 +100,17 @@ class SweepSummary(Callback):
             return
         from rich.console import Console
 
-        Console(highlight=False, soft_wrap=True).print(self.eta.job_done(int(config.hydra.job.num)), markup=False)
+        out = Console(highlight=False, soft_wrap=True)
+        out.print(self.eta.job_done(int(config.hydra.job.num)), markup=False)
+        if self.target_s is not None:
+            import time
+
+            from perfrun.commands.sweep_plan import replan
+
+            line = replan(self.plan, Path(str(config.hydra.sweep.dir)), done=self.eta.done,
+                          elapsed_s=time.perf_counter() - self.t_start, target_s=self.target_s)
+            if line:
+                out.print(line, markup=False)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         from perfrun.console import warn
@@ -107,8 +126,9 @@ class SweepSummary(Callback):
                  f"try perfrun report {sweep_dir}")
 
 
-def _estimate(config: DictConfig) -> Any:
-    """A ladder: calibrate, print and write its estimated wall time; any sweep: the ETA's count."""
+def _estimate(config: DictConfig) -> tuple[Any, Any]:
+    """A ladder: calibrate, print and write its estimated wall time; any sweep: the ETA's count.
+    Returns the ETA and the ladder's plan (None where there is none to re-budget)."""
     import time
 
     from rich.console import Console
@@ -118,16 +138,16 @@ def _estimate(config: DictConfig) -> Any:
     try:
         jobs = sweep_plan.sweep_jobs(config)
     except Exception:  # noqa: BLE001 - a sweeper other than Hydra's basic one: no count, no ETA
-        return None
+        return None, None
     if not sweep_plan.is_ladder(jobs):
-        return sweep_plan.Eta(len(jobs), None)
+        return sweep_plan.Eta(len(jobs), None), None
     sweep_dir = Path(str(config.hydra.sweep.dir))
     kept = sweep_plan.earlier_estimate(sweep_dir, len(jobs))
     if kept is not None:  # resume=auto into this sweep dir: its calibration stands
         Console(highlight=False, soft_wrap=True).print(
             f"sweep: {len(jobs)} jobs, estimated {sweep_plan.duration(kept['estimate_s'])} when it started "
             f"({sweep_dir / sweep_plan.ESTIMATE_FILE}); the budgets it gave stand", markup=False)
-        return sweep_plan.Eta(len(jobs), kept["per_job_s"])
+        return sweep_plan.Eta(len(jobs), kept["per_job_s"]), None
     t0 = time.perf_counter()
     try:
         plan = sweep_plan.make_plan(config, jobs)
@@ -139,19 +159,23 @@ def _estimate(config: DictConfig) -> Any:
         from perfrun.console import first_line, warn
 
         warn(f"no time estimate: the calibration stopped ({first_line(e)}); the jobs run at full length")
-        return sweep_plan.Eta(len(jobs), None)
+        return sweep_plan.Eta(len(jobs), None), None
     data = sweep_plan.write_estimate(sweep_dir, plan, time.perf_counter() - t0)
     out = Console(highlight=False, soft_wrap=True)
-    out.print(f"sweep: {len(jobs)} jobs ({data['skipped_jobs']} not applicable here), estimated "
+    gone = data["skipped_jobs"] - plan.tradeoff_skips
+    out.print(f"sweep: {len(jobs)} jobs ({gone} not applicable here"
+              + (f", {plan.tradeoff_skips} repeats of memory trade-offs not needed" if plan.tradeoff_skips else "")
+              + "), estimated "
               f"{sweep_plan.duration(data['estimate_s'])} on this machine from a calibration of "
               f"{len(plan.timings)} rung kind(s) ({sweep_dir / sweep_plan.ESTIMATE_FILE})", markup=False)
     target = OmegaConf.select(config, "ablation.target_s")
     if target is not None and data["estimate_s"] + data["calibration_s"] > target:
-        out.print(f"sweep: even with the shortest measurements (10 steady steps a job) the ladder needs about "
+        out.print(f"sweep: even with the shortest measurements (a warm-up and 3 to 10 steady steps a job) the ladder "
+                  "needs about "
                   f"{sweep_plan.duration(data['estimate_s'] + data['calibration_s'])}, more than "
                   f"ablation.target_s={target:g} (setup and compilation are not shortened); lower ablation.repeats "
                   "or run part of it (+ablation=naive,bf16,...)", markup=False)
     for kind, budget in plan.budgets.items():
         out.print(f"sweep: {kind} rungs measured within a {budget:g} s budget each, not the full step count "
                   f"({plan.why.get(kind, '')}; ablation.budget_s sets one for every job)", markup=False)
-    return sweep_plan.Eta(len(jobs), data["per_job_s"])
+    return sweep_plan.Eta(len(jobs), data["per_job_s"]), plan

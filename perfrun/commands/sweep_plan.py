@@ -83,6 +83,8 @@ class SweepPlan:
     timings: dict[str, Timing] = field(default_factory=dict)
     budgets: dict[str, float] = field(default_factory=dict)
     why: dict[str, str] = field(default_factory=dict)
+    tradeoff_skips: int = 0  # jobs left out as a memory trade-off's repeats past ablation.tradeoff_repeats
+    ran_as: dict[int, float] = field(default_factory=dict)  # a done job's estimate with the budget it ran with
 
     def job_s(self, i: int) -> float:
         kind = self.kinds[i]
@@ -124,6 +126,7 @@ def make_plan(config: DictConfig, jobs: list[list[str]]) -> SweepPlan:
     composed: dict[tuple[str, ...], DictConfig] = {}
     kinds: list[str | None] = []
     steps: list[int] = []
+    tradeoff_skips = 0
     for job in jobs:
         key = tuple(o for o in job if not o.startswith("repeat="))
         if key not in composed:
@@ -133,11 +136,12 @@ def make_plan(config: DictConfig, jobs: list[list[str]]) -> SweepPlan:
             composed[key] = job_cfg
         cfg = composed[key]
         repeat = next((int(o.split("=", 1)[1]) for o in job if o.startswith("repeat=")), 0)
-        applies = rung_applies(str(cfg.ablation.acts_on), str(cfg.device)) and not beyond_tradeoff_repeats(
-            cfg.ablation, repeat)
-        kinds.append(kind_of(cfg) if applies else None)
+        on_device = rung_applies(str(cfg.ablation.acts_on), str(cfg.device))
+        beyond = on_device and beyond_tradeoff_repeats(cfg.ablation, repeat)
+        tradeoff_skips += beyond
+        kinds.append(kind_of(cfg) if on_device and not beyond else None)
         steps.append(int(cfg.max_steps))
-    plan = SweepPlan(kinds, steps)
+    plan = SweepPlan(kinds, steps, tradeoff_skips=tradeoff_skips)
     first_of = {}
     for cfg in composed.values():
         if rung_applies(str(cfg.ablation.acts_on), str(cfg.device)):
@@ -183,6 +187,48 @@ def set_budgets(plan: SweepPlan, config: Any) -> None:
         plan.why.setdefault(k, f"the ladder would overrun ablation.target_s={asked:g}")
 
 
+def replan(plan: SweepPlan, sweep_dir: Path, *, done: set[int], elapsed_s: float, target_s: float) -> str | None:
+    """After a job: the budgets of the jobs left, so that they fit the time left of
+    ``target_s``. The estimate runs short where it cannot see a cost (a rung's graph compiled
+    for the first time, a batch search), so the jobs still to come are planned at the rate the
+    done ones ran against their estimate (between 0.5x and 4x); the budgets are one shared
+    figure, as :func:`set_budgets` gives, written where the next jobs read them. Returns the
+    line to print when the budget moved by more than a tenth, else None."""
+    left = [i for i in range(len(plan.kinds)) if i not in done and plan.kinds[i] is not None]
+    for i in done:
+        plan.ran_as.setdefault(i, plan.job_s(i) if i < len(plan.kinds) else 0.0)
+    planned_done = sum(plan.ran_as[i] for i in done)
+    if not left or planned_done <= 0 or not plan.timings:
+        return None
+    scale = min(max((elapsed_s - plan.calibration_s) / planned_done, 0.5), 4.0)
+    room = target_s - elapsed_s
+    slow = {k: v for k, v in plan.budgets.items() if k in plan.why and "naive trainer" in plan.why[k]}
+    before = dict(plan.budgets)
+
+    def total_with(shared: float) -> float:
+        plan.budgets = {k: min(slow.get(k, shared), shared) for k in plan.timings}
+        return scale * sum(plan.job_s(i) for i in left)
+
+    low, high = 1.0, max((t.first_step_s + max(plan.steps) * t.step_s for t in plan.timings.values()), default=1.0)
+    for _ in range(30):
+        mid = (low + high) / 2
+        low, high = (mid, high) if total_with(mid) <= room else (low, mid)
+    total_with(round(low, 1))
+    for k in plan.timings:
+        plan.why[k] = plan.why.get(k) or f"the ladder would overrun ablation.target_s={target_s:g}"
+    data = json.loads((sweep_dir / ESTIMATE_FILE).read_text())
+    data.update(budgets=plan.budgets, why=plan.why, replanned={"after_jobs": len(done), "elapsed_s": elapsed_s,
+                                                                "rate_vs_estimate": scale, "left_s": room})
+    from perfrun.checkpoint.atomic import write_json
+
+    write_json(sweep_dir / ESTIMATE_FILE, data)
+    old, new = max(before.values(), default=0.0), max(plan.budgets.values(), default=0.0)
+    if old and abs(new - old) <= 0.1 * old:
+        return None
+    return (f"sweep: jobs so far ran {scale:.1f}x their estimate; the {len(left)} jobs left are measured within "
+            f"{new:g} s each (was {old:g} s) to end within ablation.target_s={target_s:g}")
+
+
 def budget_for(sweep_dir: Path, cfg: TrainConfig) -> tuple[float, str] | None:
     """The budget the sweep's plan gives this job's kind, and why; None when it has none."""
     try:
@@ -208,6 +254,7 @@ def write_estimate(sweep_dir: Path, plan: SweepPlan, calibration_s: float) -> di
     from perfrun.checkpoint.atomic import write_json
 
     data = {"jobs": len(plan.kinds), "skipped_jobs": sum(1 for k in plan.kinds if k is None),
+            "tradeoff_repeats_skipped": plan.tradeoff_skips,
             "estimate_s": plan.total_s(), "calibration_s": calibration_s,
             "per_job_s": [plan.job_s(i) for i in range(len(plan.kinds))], "kinds": plan.kinds,
             "timings": {k: vars(t) for k, t in plan.timings.items()}, "budgets": plan.budgets, "why": plan.why,
