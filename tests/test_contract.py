@@ -122,3 +122,22 @@ def test_a_refused_knob_in_a_plain_run_is_one_line_and_exit_2(tmp_path: Path, ca
     assert code == 2, stderr
     err = [line for line in stderr.splitlines() if line.startswith("perfrun: error")]
     assert len(err) == 1 and "checkpointing=full needs `blocks`" in err[0] and "Traceback" not in out + stderr
+
+
+def test_a_ladders_calibration_runs_each_rung_as_its_job_will_on_this_model() -> None:
+    """The time estimate calibrates a rung kind with what the model cannot take turned off, as
+    the rung's job runs (the top rung's loss=chunked here: no lm_head), and passes over a rung
+    whose job will be skipped; before, the refusal stopped the calibration, and the ladder of
+    your own model ran every job at full length with no estimate."""
+    from hydra import compose, initialize_config_dir
+
+    from perfrun.commands.sweep_plan import _calibrate
+    from perfrun.config import config_dir, register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+        top = compose("train", overrides=[*CUSTOM, "+ablation=without_compile", "+sweep=ablation", "device=cpu"])
+        chunked = compose("train", overrides=[*CUSTOM, "+ablation=chunked_loss", "+sweep=ablation", "device=cpu"])
+    timing = _calibrate(top)
+    assert timing is not None and timing.step_s > 0 and timing.first_step_s > 0
+    assert _calibrate(chunked) is None

@@ -96,8 +96,11 @@ class SweepPlan:
         return sum(self.job_s(i) for i in range(len(self.kinds)))
 
 
-def _calibrate(cfg: DictConfig) -> Timing:
-    """A few steps of ``cfg`` on this device, in a folder of its own that is then removed."""
+def _calibrate(cfg: DictConfig) -> Timing | None:
+    """A few steps of ``cfg`` on this device, in a folder of its own that is then removed, as
+    its job will run: with what the model cannot take turned off (:func:`decide`); None for a
+    rung its job will skip (the model lacks what its knob needs)."""
+    from perfrun.commands.rungs import decide
     from perfrun.config import typed
     from perfrun.loop.run import run
 
@@ -105,8 +108,11 @@ def _calibrate(cfg: DictConfig) -> Timing:
                                   "monitor": {"every_n_steps": 0}, "eval_every": 0, "eval_batches": 1,
                                   "checkpoint": {"at_end": False, "every_n_steps": 0}, "resume": None,
                                   "logger": {"name": "none"}, "ablation": {"budget_s": None}})
+    decision = decide(typed(short))
+    if decision.skip is not None:
+        return None
     with tempfile.TemporaryDirectory(prefix="perfrun-calibration-") as tmp:
-        s = run(typed(short), Path(tmp))
+        s = run(decision.config, Path(tmp))
     step_s = (s.get("step_time_ms_median") or 0.0) / 1000
     train_s = float(s.get("train_time_s") or 0.0)
     wall = float(s.get("wall_s") or 0.0)
@@ -142,14 +148,18 @@ def make_plan(config: DictConfig, jobs: list[list[str]]) -> SweepPlan:
         kinds.append(kind_of(cfg) if on_device and not beyond else None)
         steps.append(int(cfg.max_steps))
     plan = SweepPlan(kinds, steps, tradeoff_skips=tradeoff_skips)
-    first_of = {}
+    of_kind: dict[str, list[DictConfig]] = {}
     for cfg in composed.values():
         if rung_applies(str(cfg.ablation.acts_on), str(cfg.device)):
-            first_of.setdefault(kind_of(cfg), cfg)
+            of_kind.setdefault(kind_of(cfg), []).append(cfg)
     t0 = time.perf_counter()
-    for kind, cfg in first_of.items():
-        log.info(f"sweep: calibrating {kind} ({CALIBRATION_STEPS} steps of rung {cfg.ablation.rung})")
-        plan.timings[kind] = _calibrate(cfg)
+    for kind, cfgs in of_kind.items():
+        for cfg in cfgs:  # the first rung of the kind that this model's job will run
+            log.info(f"sweep: calibrating {kind} ({CALIBRATION_STEPS} steps of rung {cfg.ablation.rung})")
+            timing = _calibrate(cfg)
+            if timing is not None:
+                plan.timings[kind] = timing
+                break
     plan.calibration_s = time.perf_counter() - t0
     set_budgets(plan, config)
     return plan
