@@ -133,3 +133,12 @@ def test_the_budgets_are_replanned_after_each_job_to_end_within_the_target(tmp_p
     sweep_plan.write_estimate(tmp_path, on_time, 0.0)
     assert sweep_plan.replan(on_time, tmp_path, done=set(range(10)), elapsed_s=10 * on_time.job_s(0),
                              target_s=20 * on_time.job_s(0)) is None
+    # a kind far slower than the naive trainer keeps its own, smaller budget through a re-plan
+    mixed = SweepPlan(kinds=["none/eager", "bf16/eager"] * 10, steps=[100] * 20,
+                      timings={"none/eager": t, "bf16/eager": Timing(0.5, 1.0, 1.0, 0.0)})
+    sweep_plan.set_budgets(mixed, OmegaConf.create({"ablation": {"budget_s": None, "target_s": None}}))
+    assert mixed.slow == mixed.budgets == {"bf16/eager": 10.0}  # 100 naive steps of 0.1 s
+    sweep_plan.write_estimate(tmp_path, mixed, 0.0)
+    sweep_plan.replan(mixed, tmp_path, done=set(range(4)), elapsed_s=sum(mixed.job_s(i) for i in range(4)),
+                      target_s=10_000)
+    assert mixed.budgets["bf16/eager"] == 10.0 and mixed.budgets["none/eager"] > 10.0

@@ -18,7 +18,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from perfrun.checkpoint.atomic import write_json
 from perfrun.config import AblationConfig, ConfigError, TrainConfig, as_dict
@@ -26,6 +26,8 @@ from perfrun.device_conditions import device_kind, rung_applies
 from perfrun.summary import RunSummary, read_summary
 
 if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
     from perfrun.checkpoint.resume_search import RunSearch
     from perfrun.loop.found_batches import FoundBatches
 
@@ -82,7 +84,7 @@ def decide(cfg: TrainConfig) -> Decision:
     return decision
 
 
-def beyond_tradeoff_repeats(ablation: AblationConfig | Any, repeat: int) -> bool:
+def beyond_tradeoff_repeats(ablation: AblationConfig | DictConfig, repeat: int) -> bool:
     """A memory trade-off rung (checkpointing, accumulation, the largest batch) past its
     repeats: what it measures is memory, the same in every repeat; its speed, measured in
     the repeats it runs, is reported apart and never read by the verdict."""

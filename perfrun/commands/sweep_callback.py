@@ -10,6 +10,7 @@ line.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -86,8 +87,6 @@ class SweepSummary(Callback):
             Console(highlight=False, soft_wrap=True).print(
                 "sweep: the jobs save no checkpoints (checkpoint.at_end=false: a measurement); "
                 "add checkpoint.at_end=true to keep them", markup=False)
-        import time
-
         self.t_start = time.perf_counter()
         self.eta, self.plan = _estimate(config)
         target = OmegaConf.select(config, "ablation.target_s")
@@ -103,8 +102,6 @@ class SweepSummary(Callback):
         out = Console(highlight=False, soft_wrap=True)
         out.print(self.eta.job_done(int(config.hydra.job.num)), markup=False)
         if self.target_s is not None:
-            import time
-
             from perfrun.commands.sweep_plan import replan
 
             line = replan(self.plan, Path(str(config.hydra.sweep.dir)), done=self.eta.done,
@@ -129,8 +126,6 @@ class SweepSummary(Callback):
 def _estimate(config: DictConfig) -> tuple[Any, Any]:
     """A ladder: calibrate, print and write its estimated wall time; any sweep: the ETA's count.
     Returns the ETA and the ladder's plan (None where there is none to re-budget)."""
-    import time
-
     from rich.console import Console
 
     from perfrun.commands import sweep_plan

@@ -16,6 +16,7 @@ import json
 import logging
 import tempfile
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -83,6 +84,7 @@ class SweepPlan:
     timings: dict[str, Timing] = field(default_factory=dict)
     budgets: dict[str, float] = field(default_factory=dict)
     why: dict[str, str] = field(default_factory=dict)
+    slow: dict[str, float] = field(default_factory=dict)  # kinds far slower than the naive trainer: their own budget
     tradeoff_skips: int = 0  # jobs left out as a memory trade-off's repeats past ablation.tradeoff_repeats
     ran_as: dict[int, float] = field(default_factory=dict)  # a done job's estimate with the budget it ran with
 
@@ -176,25 +178,31 @@ def set_budgets(plan: SweepPlan, config: Any) -> None:
         for kind, t in plan.timings.items():
             ratio = t.step_s / naive.step_s
             if ratio >= SLOW_FACTOR:
-                plan.budgets[kind] = round(max(steps * naive.step_s, 1.0), 1)
+                plan.slow[kind] = round(max(steps * naive.step_s, 1.0), 1)
                 plan.why[kind] = f"its step is {ratio:.0f}x the naive trainer's on this device"
+    plan.budgets = dict(plan.slow)
     target = OmegaConf.select(config, "ablation.target_s")
     if target is None or plan.total_s() <= target - plan.calibration_s:
         return
-    asked, target = target, target - plan.calibration_s
-    slow = dict(plan.budgets)
+    _share_budget(plan, range(len(plan.kinds)), target - plan.calibration_s, scale=1.0)
+    for k in plan.timings:
+        plan.why.setdefault(k, f"the ladder would overrun ablation.target_s={target:g}")
+
+
+def _share_budget(plan: SweepPlan, jobs: Iterable[int], room_s: float, *, scale: float) -> None:
+    """The one budget every kind shares (a slow kind keeps its own where smaller): the largest,
+    by bisection, whose ``jobs`` take at most ``room_s`` at ``scale`` times their estimate."""
+    jobs = list(jobs)
 
     def total_with(shared: float) -> float:
-        plan.budgets = {k: min(slow.get(k, shared), shared) for k in plan.timings}
-        return plan.total_s()
+        plan.budgets = {k: min(plan.slow.get(k, shared), shared) for k in plan.timings}
+        return scale * sum(plan.job_s(i) for i in jobs)
 
     low, high = 1.0, max((t.first_step_s + max(plan.steps) * t.step_s for t in plan.timings.values()), default=1.0)
-    for _ in range(30):  # bisection on the one budget every kind shares
+    for _ in range(30):
         mid = (low + high) / 2
-        low, high = (mid, high) if total_with(mid) <= target else (low, mid)
+        low, high = (mid, high) if total_with(mid) <= room_s else (low, mid)
     total_with(round(low, 1))
-    for k in plan.timings:
-        plan.why.setdefault(k, f"the ladder would overrun ablation.target_s={asked:g}")
 
 
 def replan(plan: SweepPlan, sweep_dir: Path, *, done: set[int], elapsed_s: float, target_s: float) -> str | None:
@@ -206,37 +214,27 @@ def replan(plan: SweepPlan, sweep_dir: Path, *, done: set[int], elapsed_s: float
     line to print when the budget moved by more than a tenth, else None."""
     left = [i for i in range(len(plan.kinds)) if i not in done and plan.kinds[i] is not None]
     for i in done:
-        plan.ran_as.setdefault(i, plan.job_s(i) if i < len(plan.kinds) else 0.0)
+        plan.ran_as.setdefault(i, plan.job_s(i))
     planned_done = sum(plan.ran_as[i] for i in done)
     if not left or planned_done <= 0 or not plan.timings:
         return None
     scale = min(max((elapsed_s - plan.calibration_s) / planned_done, 0.5), 4.0)
     room = target_s - elapsed_s
-    slow = {k: v for k, v in plan.budgets.items() if k in plan.why and "naive trainer" in plan.why[k]}
-    before = dict(plan.budgets)
-
-    def total_with(shared: float) -> float:
-        plan.budgets = {k: min(slow.get(k, shared), shared) for k in plan.timings}
-        return scale * sum(plan.job_s(i) for i in left)
-
-    low, high = 1.0, max((t.first_step_s + max(plan.steps) * t.step_s for t in plan.timings.values()), default=1.0)
-    for _ in range(30):
-        mid = (low + high) / 2
-        low, high = (mid, high) if total_with(mid) <= room else (low, mid)
-    total_with(round(low, 1))
+    before = max(plan.budgets.values(), default=0.0)
+    _share_budget(plan, left, room, scale=scale)
     for k in plan.timings:
-        plan.why[k] = plan.why.get(k) or f"the ladder would overrun ablation.target_s={target_s:g}"
+        plan.why.setdefault(k, f"the ladder would overrun ablation.target_s={target_s:g}")
     data = json.loads((sweep_dir / ESTIMATE_FILE).read_text())
     data.update(budgets=plan.budgets, why=plan.why, replanned={"after_jobs": len(done), "elapsed_s": elapsed_s,
                                                                 "rate_vs_estimate": scale, "left_s": room})
     from perfrun.checkpoint.atomic import write_json
 
     write_json(sweep_dir / ESTIMATE_FILE, data)
-    old, new = max(before.values(), default=0.0), max(plan.budgets.values(), default=0.0)
-    if old and abs(new - old) <= 0.1 * old:
+    after = max(plan.budgets.values(), default=0.0)
+    if before and abs(after - before) <= 0.1 * before:
         return None
     return (f"sweep: jobs so far ran {scale:.1f}x their estimate; the {len(left)} jobs left are measured within "
-            f"{new:g} s each (was {old:g} s) to end within ablation.target_s={target_s:g}")
+            f"{after:g} s each (was {before:g} s) to end within ablation.target_s={target_s:g}")
 
 
 def budget_for(sweep_dir: Path, cfg: TrainConfig) -> tuple[float, str] | None:

@@ -29,7 +29,6 @@ class TimeBudget:
         self.max_steps = max_steps
         self.first_step = 1
         self.stopped_at: int | None = None
-        self.steady_steps = 0
         self._t0 = time.perf_counter()
         self._t_steady: float | None = None  # when the warm-up ended
 
@@ -52,7 +51,6 @@ class TimeBudget:
         steady_s = now - self._t_steady if self._t_steady is not None else 0.0
         if steady < MIN_STEADY_STEPS and steady_s < max(self.budget_s, SLOW_STEADY_S):
             return False
-        self.steady_steps = steady
         self.stopped_at = step
         log.info(f"time budget: stopped at step {step} of {self.max_steps} after {self.budget_s:g} s "
                  f"(ablation.budget_s={self.budget_s:g}); its figures are the median of the steady steps run so far")
@@ -65,5 +63,6 @@ class TimeBudget:
         return {"budget": {"budget_s": self.budget_s, "planned_steps": self.max_steps,
                            "stopped_at_budget": self.stopped_at is not None, "stopped_at_step": self.stopped_at,
                            "min_steady_steps": MIN_STEADY_STEPS, "min_steady_steps_slow": MIN_STEADY_STEPS_SLOW,
-                           "steady_steps": self.steady_steps if self.stopped_at is not None else None,
+                           "steady_steps": (self.stopped_at - self.first_step + 1 - self.warmup_steps
+                                            if self.stopped_at is not None else None),
                            "method": "measured within a time budget, not the full step count"}}
