@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import json
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +62,33 @@ def test_a_moved_tracker_is_said_not_hidden(monkeypatch: pytest.MonkeyPatch) -> 
     assert reason is not None and "moved_away is missing" in reason
     with pytest.raises(RuntimeError, match="moved_away is missing"):
         memory_tracker.Tracker(torch_module(), None)
+
+
+def test_a_compiled_model_under_the_tracker_gives_no_warning_of_its_hooks() -> None:
+    """torch warns when a compiled module runs under global module hooks (the tracker's,
+    which only keep a stack of names): inside the tracker that warning is silenced, and
+    only there (the same call under a hook of the test's own still warns)."""
+    import warnings
+
+    import torch
+    from torch.nn.modules.module import register_module_forward_hook
+
+    model = torch_module()
+    compiled = torch.compile(model, backend="eager")
+    with warnings.catch_warnings(record=True) as inside:
+        warnings.simplefilter("always")
+        with memory_tracker.Tracker(model, None):
+            compiled(torch.ones(1, 2))
+    hook = register_module_forward_hook(lambda *_: None)
+    try:
+        with warnings.catch_warnings(record=True) as outside:
+            warnings.simplefilter("always")
+            compiled(torch.ones(1, 2))
+    finally:
+        hook.remove()
+    about_hooks = [w for w in outside if "global hooks" in str(w.message)]
+    assert about_hooks and all(re.match(memory_tracker.COMPILED_WITH_GLOBAL_HOOKS, str(w.message)) for w in about_hooks)
+    assert not [w for w in inside if "global hooks" in str(w.message)]
 
 
 def torch_module() -> Any:

@@ -16,6 +16,7 @@ the caller falls back to the measured peak alone, marked so.
 from __future__ import annotations
 
 import importlib
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -29,6 +30,8 @@ CATEGORIES = ("Parameter", "Buffer", "Gradient", "Optstate", "Activation", "Temp
 SHORT = {"Parameter": "par", "Buffer": "buf", "Gradient": "grad", "Optstate": "opt", "Activation": "act",
          "Temp": "tmp"}
 TRACKER_MODULE = "torch.distributed._tools.mem_tracker"
+# the start of the warning torch gives when a compiled module runs under global module hooks
+COMPILED_WITH_GLOBAL_HOOKS = r"Using `torch\.compile\(module\)` when there are global hooks"
 FSDP_TRACKER_MODULE = "torch.distributed._tools.fsdp2_mem_tracker"
 # FSDP2's categories, folded into the six above (sharded and gathered copies alike)
 _FSDP_FOLD = {"Sharded Param": "Parameter", "Unsharded Param": "Parameter", "Sharded Grad": "Gradient",
@@ -121,6 +124,12 @@ class Tracker:
                 self._running.pop()
 
         self._hooks = [register_module_forward_pre_hook(began), register_module_forward_hook(ended)]
+        # A compiled model warns that these global hooks fire once more for its wrapper: they
+        # only keep a stack of names, so the extra push and pop are harmless, and the warning
+        # (once per tracked step) would only alarm the reader of the console.
+        self._quiet = warnings.catch_warnings()
+        self._quiet.__enter__()
+        warnings.filterwarnings("ignore", message=COMPILED_WITH_GLOBAL_HOOKS, category=UserWarning)
         self._mt.__enter__()
         return self
 
@@ -128,6 +137,7 @@ class Tracker:
         self._mt.__exit__(*exc)
         for h in self._hooks:
             h.remove()
+        self._quiet.__exit__(*exc)
 
     def new_step(self) -> None:
         """Forget the modules' figures of the steps so far (the peak stays the run's)."""
