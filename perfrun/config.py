@@ -8,6 +8,7 @@ size below one, a sequence longer than the model) is checked by :func:`perfrun.v
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -267,7 +268,9 @@ def register_configs() -> None:
     YAML is merged onto (and checked against) its typed field of TrainConfig."""
     from omegaconf import OmegaConf
 
-    ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+    store = ConfigStore.instance()
+    if "train_schema.yaml" not in store.repo:  # once per process: storing builds the schema's tree again
+        store.store(name="train_schema", node=TrainConfig)
     resolvers.register()
     OmegaConf.register_new_resolver("perfrun_groups", group_listing, replace=True)  # the help's group list
 
@@ -312,10 +315,12 @@ def typed(composed: DictConfig) -> TrainConfig:
     piece of it. A key the schema lacks (``+key=value``) is refused here, where it is seen."""
     from omegaconf import OmegaConf, open_dict
 
-    job = composed.copy()
-    with open_dict(job):
-        job.pop("hydra", None)
-    unknown = _unknown_keys(job, OmegaConf.structured(TrainConfig))
+    job = composed
+    if "hydra" in composed:  # a composition that kept Hydra's own node (a job's has none)
+        job = composed.copy()
+        with open_dict(job):
+            job.pop("hydra")
+    unknown = _unknown_keys(job, _schema())
     if unknown:
         raise ConfigError(
             f"{', '.join(unknown)}: not a key perfrun knows; remove it "
@@ -346,6 +351,17 @@ def _get(root: object, dotted: str) -> Any:
     for part in dotted.split("."):
         node = getattr(node, part)
     return node
+
+
+@functools.cache
+def _schema() -> DictConfig:
+    """The schema as a read-only tree, built once per process (a sweep checks every job
+    against it)."""
+    from omegaconf import OmegaConf
+
+    schema = OmegaConf.structured(TrainConfig)
+    OmegaConf.set_readonly(schema, True)
+    return schema
 
 
 def _unknown_keys(node: Any, schema: Any, prefix: str = "") -> list[str]:
