@@ -59,13 +59,9 @@ def largest_batch(fits_at: Callable[[int], int], limit: int, *, cap: int = 4096)
             peaks[b] = fits_at(b)
         return peaks[b] <= limit
 
-    if not fits(1):
-        return 0, len(peaks)
-    if cap == 1:
-        return 1, len(peaks)
-    fits(2)
-    slope = max(1, peaks[2] - peaks[1])
-    guess = max(1, min(cap, 1 + (limit - peaks[1]) // slope))
+    guess = _line_guess(fits, peaks, limit, cap)
+    if guess <= 1:
+        return guess, len(peaks)
     lo, hi = 1, cap + 1  # lo fits, hi does not (cap + 1: beyond what may be tried)
     step = 1
     if fits(guess):
@@ -86,6 +82,32 @@ def largest_batch(fits_at: Callable[[int], int], limit: int, *, cap: int = 4096)
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     return lo, len(peaks)
+
+
+def line_guess(fits_at: Callable[[int], int], limit: int, *, cap: int = 4096) -> tuple[int, int]:
+    """The batch where the straight line through the estimated peaks at batches 1 and 2
+    meets ``limit`` (up to ``cap``): :func:`largest_batch`'s first guess, for a caller that
+    verifies it with trials of its own (the automatic batch size), where bracketing the
+    answer with more estimates would only repeat what its trials find. Returns (batch,
+    estimates made); batch 0 when not even 1 fits."""
+    peaks: dict[int, int] = {}
+
+    def fits(b: int) -> bool:
+        if b not in peaks:
+            peaks[b] = fits_at(b)
+        return peaks[b] <= limit
+
+    return _line_guess(fits, peaks, limit, cap), len(peaks)
+
+
+def _line_guess(fits: Callable[[int], bool], peaks: dict[int, int], limit: int, cap: int) -> int:
+    if not fits(1):
+        return 0
+    if cap == 1:
+        return 1
+    fits(2)
+    slope = max(1, peaks[2] - peaks[1])
+    return max(1, min(cap, 1 + (limit - peaks[1]) // slope))
 
 
 @dataclass
