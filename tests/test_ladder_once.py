@@ -47,6 +47,8 @@ def test_repeat_0_takes_the_memory_breakdown_and_the_batch_search(
     assert again["batch_size"] == first["batch_size"] == jobs[3]["config"]["dataloader"]["batch_size"]
     summary = json.loads((sweep / "sweep_summary.json").read_text())
     naive = next(e for e in summary["ladder"] if e["rung"] == "naive")
-    assert naive["memory_breakdown"]["jobs"] == 1 and naive["n"] == 3  # speed from every repeat, memory from one
+    # speed from every repeat (the rung holds all three; a busy machine may set one apart as an
+    # outlier), memory from one
+    assert naive["memory_breakdown"]["jobs"] == 1 and naive["jobs"] == ["0", "2", "4"]
     largest = next(t for t in summary["tradeoffs"] if t.get("largest_batch_job") == "largest_batch")
     assert largest["largest_batch"] == first["batch_size"]

@@ -88,6 +88,47 @@ class Breakdown:
         return out
 
 
+class ModuleStack:
+    """``with ModuleStack(model) as stack:`` keeps the names of the modules whose forward is
+    running, by global forward hooks: after an operator failed, :meth:`active_modules` says
+    where. Cheap enough for a step that is not tracked."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._names = {id(m): name or type(m).__name__ for name, m in model.named_modules()}
+        self._running: list[str] = []  # kept on an error
+
+    def __enter__(self) -> ModuleStack:
+        from torch.nn.modules.module import (
+            register_module_forward_hook,
+            register_module_forward_pre_hook,
+        )
+
+        def began(m: nn.Module, _args: Any) -> None:
+            self._running.append(self._names.get(id(m), type(m).__name__))
+
+        def ended(_m: nn.Module, _args: Any, _out: Any) -> None:  # returns None: the output stays
+            if self._running:
+                self._running.pop()
+
+        self._hooks = [register_module_forward_pre_hook(began), register_module_forward_hook(ended)]
+        # A compiled model warns that these global hooks fire once more for its wrapper: they
+        # only keep a stack of names, so the extra push and pop are harmless, and the warning
+        # (once per tracked step) would only alarm the reader of the console.
+        self._quiet = warnings.catch_warnings()
+        self._quiet.__enter__()
+        warnings.filterwarnings("ignore", message=COMPILED_WITH_GLOBAL_HOOKS, category=UserWarning)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._quiet.__exit__(*exc)
+
+    def active_modules(self) -> list[str]:
+        """The modules whose forward was running, innermost last."""
+        return list(self._running)
+
+
 class Tracker:
     """``with Tracker(model, optimizer): ...steps...`` then :meth:`breakdown`.
 
@@ -108,36 +149,13 @@ class Tracker:
             self._mt.track_external(model, *([optimizer] if optimizer is not None else []))
 
     def __enter__(self) -> Tracker:
-        from torch.nn.modules.module import (
-            register_module_forward_hook,
-            register_module_forward_pre_hook,
-        )
-
-        names = {id(m): name or type(m).__name__ for name, m in self.model.named_modules()}
-        self._running: list[str] = []  # the modules whose forward has begun and not ended (kept on an error)
-
-        def began(m: nn.Module, _args: Any) -> None:
-            self._running.append(names.get(id(m), type(m).__name__))
-
-        def ended(_m: nn.Module, _args: Any, _out: Any) -> None:  # returns None: the output stays
-            if self._running:
-                self._running.pop()
-
-        self._hooks = [register_module_forward_pre_hook(began), register_module_forward_hook(ended)]
-        # A compiled model warns that these global hooks fire once more for its wrapper: they
-        # only keep a stack of names, so the extra push and pop are harmless, and the warning
-        # (once per tracked step) would only alarm the reader of the console.
-        self._quiet = warnings.catch_warnings()
-        self._quiet.__enter__()
-        warnings.filterwarnings("ignore", message=COMPILED_WITH_GLOBAL_HOOKS, category=UserWarning)
+        self._stack = ModuleStack(self.model).__enter__()
         self._mt.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._mt.__exit__(*exc)
-        for h in self._hooks:
-            h.remove()
-        self._quiet.__exit__(*exc)
+        self._stack.__exit__(*exc)
 
     def new_step(self) -> None:
         """Forget the modules' figures of the steps so far (the peak stays the run's)."""
@@ -146,7 +164,8 @@ class Tracker:
     def active_modules(self) -> list[str]:
         """The modules whose forward was running, innermost last: after an operator failed,
         where it failed."""
-        return list(getattr(self, "_running", []))
+        stack = getattr(self, "_stack", None)
+        return stack.active_modules() if stack is not None else []
 
     def breakdown(self, top: int = 10) -> Breakdown:
         """The peak by category and the ``top`` modules holding most, as counted so far."""

@@ -1,6 +1,8 @@
 """The memory a configuration will need, before anything runs: the run's model, knobs,
 optimizer, loss and batch built under fake tensors (shapes and dtypes, no storage) and
-two optimizer steps taken under torch's memory tracker. The tracker counts the same
+two optimizer steps taken, the second under torch's memory tracker (the first creates the
+optimizer state, which the second holds throughout: its peak is the steady step's, and the
+tracker's bookkeeping of every operator is spent on it alone). The tracker counts the same
 bytes, category by category, as it does on real tensors (tests/test_estimate.py holds it
 to the measured breakdown within 2 %), so the estimate is exact where the tracker is; what
 it cannot see is said in ``not_counted``, and the figures are always labelled an estimate.
@@ -28,6 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 from perfrun.config import TrainConfig
 from perfrun.telemetry.memory_tracker import (
     Breakdown,
+    ModuleStack,
     Tracker,
     data_dependent_op,
     fake_mode,
@@ -91,7 +94,7 @@ def target_device(cfg: TrainConfig) -> tuple[torch.device, str]:
 
 
 def estimate(cfg: TrainConfig, vocab_size: int, *, batch_size: int | None = None, top: int = 10, fake: bool = True) -> Estimate:
-    """The peak of two optimizer steps of ``cfg`` at ``batch_size`` (default the config's),
+    """The peak of the second of two optimizer steps of ``cfg`` at ``batch_size`` (default the config's),
     under fake tensors. Raises EstimateError with one line where it cannot. ``fake=False``
     takes the same steps on real tensors: a measurement (what the tests hold the estimate to)."""
     missing = tracker_missing()
@@ -137,8 +140,8 @@ def _estimated_config(cfg: TrainConfig, device: torch.device, target: str) -> tu
 @contextmanager
 def _steps(cfg: TrainConfig, device: torch.device, vocab_size: int, batch: int, seq_len: int,
            fake: bool) -> Iterator[Tracker]:
-    """Build everything under fake tensors and run two optimizer steps under the tracker;
-    yield the tracker (its figures stay readable after the fake mode ends)."""
+    """Build everything under fake tensors and run two optimizer steps, the second under the
+    tracker; yield the tracker (its figures stay readable after the fake mode ends)."""
     from perfrun.knobs import apply_knobs
     from perfrun.loop.optimizer import build_optimizer
     from perfrun.models.build import build_model
@@ -155,11 +158,16 @@ def _steps(cfg: TrainConfig, device: torch.device, vocab_size: int, batch: int, 
         optimizer, _ = build_optimizer(plan.raw_model, cfg.optim, device)
         params = [p for p in plan.raw_model.parameters() if p.requires_grad]
         clip = float(cfg.optim.grad_clip) if cfg.optim.grad_clip > 0 else float("inf")
+        with ModuleStack(plan.raw_model) as first:  # the first step creates the optimizer state, untracked
+            try:
+                _fake_step(plan, optimizer, params, clip, batch, seq_len, vocab_size, device, None)
+            except Exception as e:  # noqa: BLE001 - said in one line, with the module it ran in
+                raise _one_line(e, first.active_modules()) from e
+        # the second, tracked, holds all of it: the steady step's peak, which no step of the run exceeds
         tracker = Tracker(plan.raw_model, optimizer, fsdp=cfg.distributed == "fsdp")
         with tracker:
             try:
-                for _ in range(2):  # the second step holds the optimizer state the first created
-                    _fake_step(plan, optimizer, params, clip, batch, seq_len, vocab_size, device, tracker)
+                _fake_step(plan, optimizer, params, clip, batch, seq_len, vocab_size, device, tracker)
             except Exception as e:  # noqa: BLE001 - said in one line, with the module it ran in
                 raise _one_line(e, tracker.active_modules()) from e
         yield tracker
@@ -178,12 +186,13 @@ def _one_line(e: BaseException, modules: list[str]) -> EstimateError:
 
 
 def _fake_step(plan: Any, optimizer: torch.optim.Optimizer, params: list[torch.Tensor], clip: float, batch: int,
-               seq_len: int, vocab_size: int, device: torch.device, tracker: Tracker) -> None:
+               seq_len: int, vocab_size: int, device: torch.device, tracker: Tracker | None) -> None:
     """One optimizer step as perfrun/loop/step.py takes it, on random fake tokens (the
     tracker's module figures start again at each micro-step: they are per forward)."""
     micro = plan.micro_steps
     for i in range(micro):
-        tracker.new_step()
+        if tracker is not None:
+            tracker.new_step()
         x = torch.randint(0, vocab_size, (batch, seq_len), device=device)
         y = torch.randint(0, vocab_size, (batch, seq_len), device=device)
         with plan.micro_step_context(i, micro):
