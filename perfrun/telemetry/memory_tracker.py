@@ -150,7 +150,11 @@ class Tracker:
 
     def __enter__(self) -> Tracker:
         self._stack = ModuleStack(self.model).__enter__()
-        self._mt.__enter__()
+        try:
+            self._mt.__enter__()
+        except BaseException:
+            self._stack.__exit__(None, None, None)  # no global hook outlives a tracker that did not start
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:
