@@ -112,6 +112,13 @@ def test_resume_auto_from_a_new_run_dir_continues_the_run_of_this_configuration(
     assert sorted(p.name for p in (tmp_path / "outputs").iterdir()) == ["first", "other"]  # no new run dir
     s = summary(tmp_path / "outputs" / "first")
     assert s["status"] == "completed" and s["resumed_from_step"] == 3 and s["steps"] == 5
+    capfd.readouterr()
+    assert train("--json", "max_steps=7", "resume=auto") == 0  # the same, its summary on stdout
+    out, err = capfd.readouterr()
+    assert "continuing the run in outputs/first from step 5" in err
+    assert sorted(p.name for p in (tmp_path / "outputs").iterdir()) == ["first", "other"]
+    assert json.loads(out) == summary(tmp_path / "outputs" / "first")
+    assert json.loads(out)["resumed_from_step"] == 5 and json.loads(out)["steps"] == 7
 
 
 def test_resume_auto_refuses_when_several_runs_could_be_meant(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -124,6 +131,10 @@ def test_resume_auto_refuses_when_several_runs_could_be_meant(tmp_path: Path, mo
     assert train("max_steps=4", "resume=auto") == 2
     line = one_error_line(capfd.readouterr().err)
     assert "2 runs under outputs" in line and "outputs/a" in line and "outputs/b" in line
+    assert digest(tmp_path / "outputs") == before
+    assert train("--json", "max_steps=4", "resume=auto") == 2  # the same refusal, nothing on stdout
+    out, err = capfd.readouterr()
+    assert out == "" and "2 runs under outputs" in one_error_line(err)
     assert digest(tmp_path / "outputs") == before
 
 

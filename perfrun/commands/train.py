@@ -302,6 +302,8 @@ def _train_json(args: list[str]) -> int:
         run_dir, sweep_dir = hydra_dirs(args)
     except Exception:  # noqa: BLE001 - the run reports what is wrong with the command line
         run_dir = sweep_dir = None
+    if run_dir is not None and not _multirun(args):
+        run_dir = _continued_dir(args, run_dir)
     pinned = args + (dir_overrides(run_dir, sweep_dir) if run_dir and sweep_dir else [])
     with contextlib.redirect_stdout(sys.stderr):
         code = train_main(pinned)
@@ -316,6 +318,25 @@ def _train_json(args: list[str]) -> int:
     elif (Path(run_dir) / SUMMARY_FILE).is_file():
         print(json.dumps(read_summary(Path(run_dir)), indent=2))
     return code
+
+
+def _continued_dir(args: list[str], run_dir: str) -> str | None:
+    """``resume=auto`` from a new run dir: the run dir of the run it continues, as the plain
+    command finds it (:func:`_continue_run`), else ``run_dir``; the job is pinned to it and
+    its summary printed from there. None where several runs could be meant: the run,
+    unpinned, refuses with the line the plain command gives."""
+    if arg_value(args, "resume") != "auto":
+        return run_dir
+    from perfrun.config import ConfigError
+
+    _, composed = _preflight(args)
+    if composed is None:  # the run itself says what is wrong
+        return run_dir
+    try:
+        redirect, found = _continue_run(composed)
+    except ConfigError:
+        return None
+    return str(found) if redirect else run_dir
 
 
 def _contents(run_dir: Path) -> str:
