@@ -36,8 +36,9 @@ from perfrun.commands.launch import (
     validate_job,
     world_size,
 )
+from perfrun.commands.resume_target import continue_run, template_root
 from perfrun.config import TrainConfig, config_dir, typed
-from perfrun.console import composition_error, error, first_line, stderr_console
+from perfrun.console import composition_error, error, first_line
 
 PARALLEL = ("ddp", "fsdp")  # the distributed= values that run one process per GPU
 COMPLETION_FLAGS = ("-sc", "--shell-completion")
@@ -223,11 +224,11 @@ def train_main(args: list[str]) -> int:
             return 2
     if composed is not None and world == 1 and not _multirun(args):
         try:  # resume=auto from a new run dir: into the run it continues, before any rank starts
-            redirect, run_dir = _continue_run(composed)
+            redirect, run_dir = continue_run(composed)
         except ConfigError as e:
             error(str(e))
             return 2
-        root = None if redirect else _template_root(composed.hydra.run)  # a pinned run dir has none
+        root = None if redirect else template_root(composed.hydra.run)  # a pinned run dir has none
         with undone_if_refused(run_dir):  # a refused job leaves a run dir that holds a run as it was
             if several:
                 return launch_ranks(args + redirect, int(nproc))
@@ -249,37 +250,6 @@ def train_main(args: list[str]) -> int:
     return _run_app(args, given_root or _search_root(args))
 
 
-def _continue_run(composed: DictConfig) -> tuple[list[str], Path]:
-    """``resume=auto`` where the run dir holds no checkpoint (a new timestamped folder): the
-    ``hydra.run.dir`` of the run with this configuration under the outputs folder, so that
-    the job continues it and writes into it (no override when there is none); and the run
-    dir the job will write into."""
-    from perfrun.checkpoint.names import list_checkpoints
-    from perfrun.checkpoint.resume_search import RunSearch, find_run, job_config
-
-    run_dir = Path(str(composed.hydra.run.dir))
-    if composed.resume != "auto" or composed.checkpoint.dir:
-        return [], run_dir
-    root = _template_root(composed.hydra.run)
-    if root is None or list_checkpoints(run_dir / "checkpoints"):
-        return [], run_dir
-    found = find_run(RunSearch(root, job_config(composed), run_dir), int(composed.max_steps))
-    if found is None:
-        return [], run_dir
-    stderr_console().print(f"resume=auto: continuing the run in {found.run_dir} from step {found.step}", markup=False)
-    return [f"hydra.run.dir={quoted(str(found.run_dir))}"], found.run_dir
-
-
-def _template_root(node: DictConfig) -> Path | None:
-    """The fixed part of ``node.dir``'s template (hydra.run or hydra.sweep): where
-    ``resume=auto`` looks for the run a job continues."""
-    from omegaconf import OmegaConf
-
-    from perfrun.checkpoint.resume_search import search_root
-
-    return search_root(str(OmegaConf.to_container(node, resolve=False)["dir"]))
-
-
 def _search_root(args: list[str]) -> Path | None:
     """Where ``resume=auto`` looks for the run a job continues: the fixed part of the run
     dir's template (the sweep dir's, in a sweep), read before perfrun pins the folders."""
@@ -291,7 +261,7 @@ def _search_root(args: list[str]) -> Path | None:
                                 return_hydra_config=True).hydra
     except Exception:  # noqa: BLE001 - a bad hydra.* override: Hydra reports it itself
         return None
-    return _template_root(hydra_cfg.sweep if _multirun(args) else hydra_cfg.run)
+    return template_root(hydra_cfg.sweep if _multirun(args) else hydra_cfg.run)
 
 
 def _train_json(args: list[str]) -> int:
@@ -322,7 +292,7 @@ def _train_json(args: list[str]) -> int:
 
 def _continued_dir(args: list[str], run_dir: str) -> str | None:
     """``resume=auto`` from a new run dir: the run dir of the run it continues, as the plain
-    command finds it (:func:`_continue_run`), else ``run_dir``; the job is pinned to it and
+    command finds it (:func:`perfrun.commands.resume_target.continue_run`), else ``run_dir``; the job is pinned to it and
     its summary printed from there. None where several runs could be meant: the run,
     unpinned, refuses with the line the plain command gives."""
     if arg_value(args, "resume") != "auto":
@@ -333,7 +303,7 @@ def _continued_dir(args: list[str], run_dir: str) -> str | None:
     if composed is None:  # the run itself says what is wrong
         return run_dir
     try:
-        redirect, found = _continue_run(composed)
+        redirect, found = continue_run(composed)
     except ConfigError:
         return None
     return str(found) if redirect else run_dir
@@ -364,7 +334,7 @@ def _run_app(args: list[str], search_root: Path | None) -> int:
         try:
             node = hydra_node(args)
             sweep_dir = str(node.sweep.dir)
-            search_root = search_root or _template_root(node.sweep)  # read before the sweep dir is pinned
+            search_root = search_root or template_root(node.sweep)  # read before the sweep dir is pinned
             args = [*args, f"hydra.sweep.dir={quoted(sweep_dir)}"]
         except Exception:  # noqa: BLE001 - a bad hydra.* override: Hydra reports it just below
             sweep_dir = None
