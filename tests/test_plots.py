@@ -91,6 +91,20 @@ def test_the_ladder_plot_reads_what_stands(tmp_path: Path) -> None:
     assert one_line(fig.get_supxlabel()) == one_line(a["verdict"])
     dashed = [line for line in fig.axes[3].lines if line.get_linestyle() == "--"]
     assert [line.get_label() for line in dashed] == ["18 compile (contended)"]
+    # each trade-off's label reads away from the nearer edge: none leaves the axes (a long one
+    # at the far right included)
+    a["tradeoffs"].append({**a["tradeoffs"][0], "setting": "checkpointing=none, the top rung itself",
+                           "peak_mem_mib": 10 * a["tradeoffs"][0]["peak_mem_mib"]})
+    fig = ladder_figure(r, a)
+    trade = fig.axes[2]
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()  # the labels are placed when drawn
+    renderer = canvas.get_renderer()
+    box = trade.get_window_extent(renderer)
+    labels = {t.get_text(): t.get_window_extent(renderer) for t in trade.texts}
+    assert len(labels) == 2 and all(box.x0 <= b.x0 and b.x1 <= box.x1 for b in labels.values()), labels
 
 
 def test_the_ladder_plot_of_single_runs_with_a_contended_baseline(tmp_path: Path) -> None:

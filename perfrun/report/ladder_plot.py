@@ -113,10 +113,13 @@ def _leave_one_out(ax: Any, a: dict[str, Any]) -> None:
 
 
 def _tradeoffs(ax: Any, a: dict[str, Any]) -> None:
-    for t in a["tradeoffs"]:
-        if finite(t.get("peak_mem_mib")) and finite(t.get("tokens_per_s")):
-            ax.plot(t["peak_mem_mib"], t["tokens_per_s"], marker="o", linestyle="none")
-            ax.annotate(t["setting"], (t["peak_mem_mib"], t["tokens_per_s"]), fontsize=7)
+    points = [t for t in a["tradeoffs"] if finite(t.get("peak_mem_mib")) and finite(t.get("tokens_per_s"))]
+    middle = (min(t["peak_mem_mib"] for t in points) + max(t["peak_mem_mib"] for t in points)) / 2 if points else 0
+    for t in points:
+        ax.plot(t["peak_mem_mib"], t["tokens_per_s"], marker="o", linestyle="none")
+        right = t["peak_mem_mib"] > middle  # a label on the right half reads leftward: it stays inside the axes
+        ax.annotate(t["setting"], (t["peak_mem_mib"], t["tokens_per_s"]), fontsize=7, textcoords="offset points",
+                    xytext=(-4 if right else 4, 3), ha="right" if right else "left")
     ax.set_xlabel("peak memory MiB")
     ax.set_ylabel("tokens/s")
     ax.set_title("memory trade-offs (top rung)", fontsize=9)
