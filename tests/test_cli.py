@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from perfrun.commands.dispatch import main as cli_main
+from perfrun.commands.tune import kept_logging
 
 from conftest import REPO, TINY_MODEL, run_cli
 
@@ -90,16 +91,16 @@ def test_plain_run_writes_its_run_dir(tmp_path: Path, monkeypatch: pytest.Monkey
 
 def test_train_json_prints_the_summary_on_stdout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                  capfd: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.chdir(tmp_path)  # in this process (file descriptors captured); the sweep below in its own
+    monkeypatch.chdir(tmp_path)  # in this process, file descriptors captured
     assert cli_main(["train", "--json", "device=cpu", "max_steps=3", *TINY_MODEL, "eval_batches=2"]) == 0
     out, err = capfd.readouterr()
     (run_dir,) = [p.parent for p in (tmp_path / "outputs").rglob("summary.json")]
     assert json.loads(out) == json.loads((run_dir / "summary.json").read_text())  # stdout is the JSON alone
     assert "step 3/3" in err and f"run dir {run_dir.relative_to(tmp_path)}" in err  # the log, on stderr
-    sweep = run_cli("train", "--json", "-m", "device=cpu", "max_steps=2", *TINY_MODEL, "eval_batches=1", "seed=1,2",
-                    "hydra.sweep.dir=sweep", cwd=tmp_path)
-    assert sweep.returncode == 0, sweep.stderr
-    jobs = json.loads(sweep.stdout)
+    with kept_logging():  # a sweep's Hydra app configures the root logger
+        assert cli_main(["train", "--json", "-m", "device=cpu", "max_steps=2", *TINY_MODEL, "eval_batches=1",
+                         "seed=1,2", "hydra.sweep.dir=sweep"]) == 0
+    jobs = json.loads(capfd.readouterr().out)
     assert [j["config"]["seed"] for j in jobs] == [1, 2] and [j["status"] for j in jobs] == ["completed"] * 2
 
 
