@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,31 @@ RANKS_COMMON = [*TINY_MODEL, "max_steps=6", "log_every=1", "eval_every=0", "eval
                 "progress=off", "monitor.every_n_steps=0", "optim.warmup_steps=2", "accumulation.steps=2"]
 
 
+# The test files that take longest, slowest first (pytest --durations=0 on the 2-core machine,
+# summed per file). Two xdist workers handed the longest files first end together; with
+# xdist's own order (most tests first) a long file of one test came last and one worker
+# waited up to 15 s for the other. Files not named follow, most tests first. A stale list
+# costs balance, never a test.
+SLOW_FIRST = ("test_reliability.py", "test_fsdp.py", "test_distributed.py", "test_cli.py", "test_nothing_lost.py",
+              "test_estimate.py", "test_gpu_bench_scripts.py", "test_train.py", "test_sweep.py", "test_prepare.py",
+              "test_generate.py", "test_tune.py", "test_llama.py", "test_ladder_once.py", "test_bench_train.py",
+              "test_batch_size.py", "test_cluster_launcher.py", "test_sweep_stop.py", "test_loggers.py",
+              "test_export.py", "test_gpucheck.py", "test_sweep_time.py", "test_untrusted_files.py")
+
+
+def pytest_configure(config: Any) -> None:
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: keep the order made below
+        config.option.loadscopereorder = False
+
+
+def _file(item: Any) -> str:
+    return Path(str(item.nodeid).split("::", 1)[0]).name
+
+
 def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
+    rank = {name: k for k, name in enumerate(SLOW_FIRST)}
+    tests = Counter(_file(item) for item in items)
+    items.sort(key=lambda item: (rank.get(_file(item), len(rank)), -tests[_file(item)], _file(item)))  # stable
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

@@ -214,3 +214,12 @@ def test_no_function_over_100_lines() -> None:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 100:
                 long.append(f"{name}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
     assert long == []
+
+
+def test_the_suites_slow_first_list_names_its_test_files() -> None:
+    """tests/conftest.py hands the longest files to the workers first: a renamed file must be
+    renamed there too, or the workers end apart again."""
+    from conftest import SLOW_FIRST
+
+    tests = Path(__file__).resolve().parent
+    assert [n for n in SLOW_FIRST if not (tests / n).is_file()] == [] and len(set(SLOW_FIRST)) == len(SLOW_FIRST)
