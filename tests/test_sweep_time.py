@@ -121,7 +121,7 @@ def test_the_budgets_are_replanned_after_each_job_to_end_within_the_target(tmp_p
     t = Timing(setup_s=0.5, first_step_s=1.0, step_s=0.1, eval_s=0.0)
     plan = SweepPlan(kinds=["none/eager"] * 20, steps=[100] * 20, timings={"none/eager": t})
     plan.budgets, plan.why = {"none/eager": 5.0}, {"none/eager": "the ladder would overrun ablation.target_s=100"}
-    sweep_plan.write_estimate(tmp_path, plan, 0.0)
+    sweep_plan.write_estimate(tmp_path, plan)
     per_job = plan.job_s(0)  # 0.5 + 5.0: the budget bounds the training
     line = sweep_plan.replan(plan, tmp_path, done=set(range(10)), elapsed_s=2 * 10 * per_job, target_s=200)
     budget = json.loads((tmp_path / sweep_plan.ESTIMATE_FILE).read_text())["budgets"]["none/eager"]
@@ -132,7 +132,7 @@ def test_the_budgets_are_replanned_after_each_job_to_end_within_the_target(tmp_p
     assert line is not None and "2.0x their estimate" in line and f"{budget:g} s each" in line
     on_time = SweepPlan(kinds=["none/eager"] * 20, steps=[100] * 20, timings={"none/eager": t})
     on_time.budgets, on_time.why = {"none/eager": 4.5}, dict(plan.why)
-    sweep_plan.write_estimate(tmp_path, on_time, 0.0)
+    sweep_plan.write_estimate(tmp_path, on_time)
     assert sweep_plan.replan(on_time, tmp_path, done=set(range(10)), elapsed_s=10 * on_time.job_s(0),
                              target_s=20 * on_time.job_s(0)) is None
     # a kind far slower than the naive trainer keeps its own, smaller budget through a re-plan
@@ -140,7 +140,7 @@ def test_the_budgets_are_replanned_after_each_job_to_end_within_the_target(tmp_p
                       timings={"none/eager": t, "bf16/eager": Timing(0.5, 1.0, 1.0, 0.0)})
     sweep_plan.set_budgets(mixed, OmegaConf.create({"ablation": {"budget_s": None, "target_s": None}}))
     assert mixed.slow == mixed.budgets == {"bf16/eager": 10.0}  # 100 naive steps of 0.1 s
-    sweep_plan.write_estimate(tmp_path, mixed, 0.0)
+    sweep_plan.write_estimate(tmp_path, mixed)
     sweep_plan.replan(mixed, tmp_path, done=set(range(4)), elapsed_s=sum(mixed.job_s(i) for i in range(4)),
                       target_s=10_000)
     assert mixed.budgets["bf16/eager"] == 10.0 and mixed.budgets["none/eager"] > 10.0

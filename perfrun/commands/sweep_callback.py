@@ -143,7 +143,6 @@ def _estimate(config: DictConfig) -> tuple[Any, Any]:
             f"sweep: {len(jobs)} jobs, estimated {sweep_plan.duration(kept['estimate_s'])} when it started "
             f"({sweep_dir / sweep_plan.ESTIMATE_FILE}); the budgets it gave stand", markup=False)
         return sweep_plan.Eta(len(jobs), kept["per_job_s"]), None
-    t0 = time.perf_counter()
     try:
         plan = sweep_plan.make_plan(config, jobs)
     except Exception as e:  # noqa: BLE001 - a rung that cannot run fails as its job, with its own line
@@ -155,7 +154,7 @@ def _estimate(config: DictConfig) -> tuple[Any, Any]:
 
         warn(f"no time estimate: the calibration stopped ({first_line(e)}); the jobs run at full length")
         return sweep_plan.Eta(len(jobs), None), None
-    data = sweep_plan.write_estimate(sweep_dir, plan, time.perf_counter() - t0)
+    data = sweep_plan.write_estimate(sweep_dir, plan)
     out = Console(highlight=False, soft_wrap=True)
     gone = data["skipped_jobs"] - plan.tradeoff_skips
     out.print(f"sweep: {len(jobs)} jobs ({gone} not applicable here"

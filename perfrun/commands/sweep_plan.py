@@ -264,12 +264,12 @@ def earlier_estimate(sweep_dir: Path, jobs: int) -> dict[str, Any] | None:
     return data if ok else None
 
 
-def write_estimate(sweep_dir: Path, plan: SweepPlan, calibration_s: float) -> dict[str, Any]:
+def write_estimate(sweep_dir: Path, plan: SweepPlan) -> dict[str, Any]:
     from perfrun.checkpoint.atomic import write_json
 
     data = {"jobs": len(plan.kinds), "skipped_jobs": sum(1 for k in plan.kinds if k is None),
             "tradeoff_repeats_skipped": plan.tradeoff_skips,
-            "estimate_s": plan.total_s(), "calibration_s": calibration_s,
+            "estimate_s": plan.total_s(), "calibration_s": plan.calibration_s,
             "per_job_s": [plan.job_s(i) for i in range(len(plan.kinds))], "kinds": plan.kinds,
             "timings": {k: vars(t) for k, t in plan.timings.items()}, "budgets": plan.budgets, "why": plan.why,
             "method": f"{CALIBRATION_STEPS} steps of each rung kind (precision/compile) on this device, "

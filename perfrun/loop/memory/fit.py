@@ -52,13 +52,7 @@ def largest_batch(fits_at: Callable[[int], int], limit: int, *, cap: int = 4096)
     batch it estimates is within twice the answer's distance from the guess, so no estimate
     runs at a batch far larger than what fits (an estimate's time grows with the batch).
     Returns (batch, estimates made); batch 0 when not even 1 fits."""
-    peaks: dict[int, int] = {}
-
-    def fits(b: int) -> bool:
-        if b not in peaks:
-            peaks[b] = fits_at(b)
-        return peaks[b] <= limit
-
+    fits, peaks = _memo(fits_at, limit)
     guess = _line_guess(fits, peaks, limit, cap)
     if guess <= 1:
         return guess, len(peaks)
@@ -90,6 +84,13 @@ def line_guess(fits_at: Callable[[int], int], limit: int, *, cap: int = 4096) ->
     verifies it with trials of its own (the automatic batch size), where bracketing the
     answer with more estimates would only repeat what its trials find. Returns (batch,
     estimates made); batch 0 when not even 1 fits."""
+    fits, peaks = _memo(fits_at, limit)
+    return _line_guess(fits, peaks, limit, cap), len(peaks)
+
+
+def _memo(fits_at: Callable[[int], int], limit: int) -> tuple[Callable[[int], bool], dict[int, int]]:
+    """``fits(batch)``: whether the peak at ``batch`` is within ``limit``, each batch estimated
+    once; and the peaks estimated so far, by batch."""
     peaks: dict[int, int] = {}
 
     def fits(b: int) -> bool:
@@ -97,7 +98,7 @@ def line_guess(fits_at: Callable[[int], int], limit: int, *, cap: int = 4096) ->
             peaks[b] = fits_at(b)
         return peaks[b] <= limit
 
-    return _line_guess(fits, peaks, limit, cap), len(peaks)
+    return fits, peaks
 
 
 def _line_guess(fits: Callable[[int], bool], peaks: dict[int, int], limit: int, cap: int) -> int:
