@@ -12,6 +12,7 @@ import sys
 import sysconfig
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -20,7 +21,8 @@ from perfrun.commands.dispatch import main as cli_main
 from perfrun.config import ConfigError, DataConfig
 from perfrun.data import build_datasets
 from perfrun.data.tokenizers import load_tokenizer, train_bpe
-from perfrun.prepare.corpus import PIECE_BYTES, is_val
+from perfrun.prepare import build
+from perfrun.prepare.corpus import PIECE_BYTES, Settings, is_val
 
 from conftest import REPO
 
@@ -220,3 +222,28 @@ def test_help_lists_every_key(capsys: pytest.CaptureFixture) -> None:
     for key in ("path", "out", "tokenizer", "val_fraction", "workers", "text_field", "progress"):
         assert f"\n  {key} " in shown, shown
     assert cli_main(["--help"]) == 0 and "prepare" in capsys.readouterr().out
+
+
+_POOL_WORKER = build._pool_worker
+
+
+def _late_worker(settings: Any) -> None:
+    """A worker that the machine has not run yet when the pool ends it."""
+    time.sleep(1)
+    _POOL_WORKER(settings)
+
+
+def test_a_worker_ended_before_it_ran_ends_and_the_pool_exits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pool ends its workers once the work is done, on a busy machine before some have
+    run: each still ends by SIGTERM (not by the parent's handler, which it holds until it
+    sets its own, nor never, which hung the pool's exit), and the pool exits."""
+    monkeypatch.setattr(build, "_pool_worker", _late_worker)
+    settings = Settings(tokenizer="byte", dtype="uint8", val_fraction=0.1, by_document=True, text_field="text")
+    with build.stop_on_signals(), build.worker_pool(settings, 2) as pool:
+        workers = list(pool._pool)
+        for w in workers:  # during their sleep: before they set their own handlers
+            os.kill(w.pid, signal.SIGTERM)
+        for w in workers:
+            w.join(timeout=60)
+        assert [w.exitcode for w in workers] == [-signal.SIGTERM] * 2
+        assert pool.apply(len, ("abc",)) == 3  # the pool replaced them and works

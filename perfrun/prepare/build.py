@@ -159,10 +159,31 @@ def stop_on_signals() -> Iterator[None]:
             signal.signal(s, handler)
 
 
+STOPS = {signal.SIGINT, signal.SIGTERM}
+
+
 def _pool_worker(settings: corpus.Settings) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group; the main process decides
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the main process's handler: the pool ends workers so
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOPS)  # a SIGTERM sent before this line ends the worker here
     corpus.start_worker(settings)
+
+
+@contextmanager
+def worker_pool(settings: corpus.Settings, workers: int) -> Iterator[Any]:
+    """A pool whose workers are forked with SIGINT and SIGTERM blocked until they have set
+    their own handlers. Forked unblocked, a worker held the parent's Python handler until it
+    first ran, and a SIGTERM delivered then was dropped (CPython clears a signal caught in the
+    child before fork returns): the pool ends its workers as soon as the work is done, which
+    on a busy machine can come before a worker has run at all, and that worker then waited
+    for work forever, and the pool's exit with it."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOPS)
+    try:  # the pool's own threads start here too: they keep the stop signals blocked, as they should
+        pool = multiprocessing.get_context().Pool(workers, initializer=_pool_worker, initargs=(settings,))
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+    with pool:
+        yield pool
 
 
 def _encoded(tasks: list[corpus.Task], settings: corpus.Settings, workers: int) -> Iterator[corpus.Encoded]:
@@ -171,7 +192,7 @@ def _encoded(tasks: list[corpus.Task], settings: corpus.Settings, workers: int) 
         corpus.start_worker(settings)
         yield from map(corpus.encode, tasks)
         return
-    with multiprocessing.get_context().Pool(workers, initializer=_pool_worker, initargs=(settings,)) as pool:
+    with worker_pool(settings, workers) as pool:
         yield from pool.imap(corpus.encode, tasks, chunksize=1)
 
 
