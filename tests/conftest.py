@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import compileall
 import gc
 import json
 import os
@@ -20,6 +21,14 @@ from hydra import compose, initialize_config_dir
 from perfrun.config import TrainConfig, config_dir, register_configs, typed
 
 REPO = Path(__file__).resolve().parent.parent
+
+# A machine that sets PYTHONDONTWRITEBYTECODE (some images do) would have each of the ~60
+# processes the suite starts compile perfrun from source again (~1 s each on 2 cores), and
+# each test worker rewrite and compile every test file. perfrun is compiled once here, the
+# test files are cached as pytest caches them; the variable itself is left to the processes.
+if sys.dont_write_bytecode:
+    compileall.compile_dir(REPO / "perfrun", quiet=1)
+    sys.dont_write_bytecode = False
 
 # A model small enough that a 30-step job takes about a second on 2 cores.
 TINY_MODEL = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=32"]
