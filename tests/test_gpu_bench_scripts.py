@@ -23,6 +23,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
+from perfrun.commands.dispatch import main as cli_main
 from perfrun.config import config_dir, register_configs, typed
 from perfrun.validate import validate
 
@@ -58,8 +59,30 @@ def overrides(line: str) -> list[str]:
     return out
 
 
-def test_dry_run_prints_every_suite_runs_nothing_and_its_overrides_compose(tmp_path: Path) -> None:
-    res = dry_run("all")
+@pytest.fixture(scope="module")
+def dry_run_all() -> subprocess.CompletedProcess:
+    return dry_run("all")
+
+
+@pytest.fixture(scope="module")
+def validated(dry_run_all: subprocess.CompletedProcess) -> set[tuple[str, ...]]:
+    """The overrides of every ``perfrun train`` call of every suite (``--dry-run all``), each
+    distinct set composed once and passed through the checks perfrun makes before it builds
+    anything: a misspelt key or group, or a refused value, fails here as on the GPU machine."""
+    res = dry_run_all
+    assert res.returncode == 0, res.stderr
+    trains = {tuple(overrides(ln)) for ln in res.stdout.splitlines()
+              if ln.startswith("python3 ") and " -m perfrun train " in ln}
+    register_configs()
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+        for words in trains:
+            validate(typed(compose("train", overrides=list(words))))
+    return trains
+
+
+def test_dry_run_prints_every_suite_runs_nothing_and_its_overrides_compose(
+        dry_run_all: subprocess.CompletedProcess, validated: set[tuple[str, ...]]) -> None:
+    res = dry_run_all
     assert res.returncode == 0, res.stderr
     suites = re.search(r'^ALL="(.*?)"$', (SCRIPTS / "gpu_bench.sh").read_text(), re.S | re.M)
     assert suites
@@ -73,10 +96,12 @@ def test_dry_run_prints_every_suite_runs_nothing_and_its_overrides_compose(tmp_p
     assert not any("/tmp" in ln for ln in calls) and all("outputs/benchmarks" not in ln for ln in calls)
     trains = [ln for ln in calls if re.search(r"-m perfrun train |scripts/bench_\w+\.py ", ln)]
     assert len(trains) >= 20
+    benches = {tuple(overrides(ln)) for ln in trains} - validated  # the bench scripts' own calls
+    assert len(validated) >= 15 and benches
     register_configs()
     with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
-        for line in trains:  # a misspelt key or group fails here, as it would on the GPU machine
-            compose("train", overrides=overrides(line))
+        for words in benches:  # a misspelt key or group fails here, as it would on the GPU machine
+            compose("train", overrides=list(words))
     known = dict(script("bench_speed").variants("default"))
     chosen = [shlex.split(ln)[shlex.split(ln).index("--variants") + 1] for ln in calls if "--variants" in ln]
     assert len(chosen) == 2 and all(n in known for names in chosen for n in names.split(","))  # names as printed
@@ -106,7 +131,8 @@ SMOKE_PATHS = [  # (what the row must run, a regular expression its printed comm
 ]
 
 
-def test_smoke_dry_run_runs_every_cuda_path_and_each_composes() -> None:
+def test_smoke_dry_run_runs_every_cuda_path_and_each_composes(
+        validated: set[tuple[str, ...]], capsys: pytest.CaptureFixture[str]) -> None:
     res = dry_run("smoke")
     assert res.returncode == 0, res.stderr
     calls = [ln for ln in res.stdout.splitlines() if ln.startswith("python3 ")]
@@ -121,15 +147,12 @@ def test_smoke_dry_run_runs_every_cuda_path_and_each_composes() -> None:
     else:  # decided by looking, and said
         assert not llama_runs
         assert res.stdout.count("skipped: not in this checkout (no conf/model/llama-tiny.yaml)") == 3
-    has_estimate = subprocess.run([sys.executable, "-m", "perfrun", "estimate", "--help"], cwd=REPO,
-                                  capture_output=True, timeout=60).returncode == 0
+    has_estimate = cli_main(["estimate", "--help"]) == 0
+    capsys.readouterr()
     assert any(" -m perfrun estimate " in ln for ln in calls) == has_estimate
     assert ("perfrun estimate --help fails: no such command" in res.stdout) != has_estimate
     trains = [ln for ln in calls if " -m perfrun train " in ln]
-    register_configs()
-    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
-        for line in trains:  # composes, and passes the checks perfrun makes before it builds anything
-            validate(typed(compose("train", overrides=overrides(line))))
+    assert trains and {tuple(overrides(ln)) for ln in trains} <= validated  # each composed and checked
 
 
 def test_smoke_writes_its_table_row_by_row_under_the_machine_and_versions(tmp_path: Path) -> None:
