@@ -22,9 +22,10 @@ from perfrun.config import ConfigError, DataConfig
 from perfrun.data import build_datasets
 from perfrun.data.tokenizers import load_tokenizer, train_bpe
 from perfrun.prepare import build
+from perfrun.prepare import corpus as prepare_corpus
 from perfrun.prepare.corpus import PIECE_BYTES, Settings, is_val
 
-from conftest import REPO
+from conftest import REPO, wait_for
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 SOURCES = ["textwrap.py", "colorsys.py", "this.py", "bisect.py", "keyword.py", "fnmatch.py", "glob.py",
@@ -79,7 +80,18 @@ def test_byte_prepare_is_split_by_document_and_read_by_memmap(corpus: Path, tmp_
     assert b.train.n_tokens == train.size and b.val.n_tokens == val.size
 
 
-def test_bpe_documents_end_with_eot_and_workers_do_not_change_the_files(corpus: Path, bpe: Path, tmp_path: Path) -> None:
+def test_bpe_documents_end_with_eot_and_workers_do_not_change_the_files(
+        corpus: Path, bpe: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pieces of 64 KiB here (1 MiB in use) and the long document cut to 2.5 of them: the
+    same cuts for a sixteenth of the encoding."""
+    monkeypatch.setattr(prepare_corpus, "PIECE_BYTES", 1 << 16)
+    small = tmp_path / "docs"
+    small.mkdir()
+    for p in sorted(corpus.iterdir()):
+        (small / p.name).write_bytes(p.read_bytes()[: 5 << 15])  # doc03 cut to 160 KiB; the others are smaller
+    tasks, _ = prepare_corpus.plan([(p, p.stat().st_size) for p in sorted(small.iterdir())])
+    assert sum(piece.path.endswith("doc03.txt") for task in tasks for piece in task) >= 3
+    corpus = small
     one, two = tmp_path / "one", tmp_path / "two"
     assert prepare(f"path={corpus}", f"out={one}", f"tokenizer={bpe}", "workers=1") == 0
     assert prepare(f"path={corpus}", f"out={two}", f"tokenizer={bpe}", "workers=2") == 0
@@ -243,7 +255,7 @@ def test_a_worker_ended_before_it_ran_ends_and_the_pool_exits(monkeypatch: pytes
         workers = list(pool._pool)
         for w in workers:  # during their sleep: before they set their own handlers
             os.kill(w.pid, signal.SIGTERM)
-        for w in workers:
-            w.join(timeout=60)
+        # the pool's own thread reaps them too, so their exit codes are read once it has
+        wait_for(lambda: all(w.exitcode is not None for w in workers))
         assert [w.exitcode for w in workers] == [-signal.SIGTERM] * 2
         assert pool.apply(len, ("abc",)) == 3  # the pool replaced them and works
