@@ -50,6 +50,22 @@ def test_train_is_a_hydra_app(tmp_path: Path) -> None:
     assert not (tmp_path / "outputs").exists()  # --help/--cfg/--info do no work
 
 
+def test_help_is_the_text_hydra_prints_and_a_bad_override_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """perfrun fills in only the placeholders its help templates use (Hydra lists every config
+    group whether a template shows them or not); Hydra's own --help, which perfrun leaves
+    to Hydra where --config-dir is given, prints the same text."""
+    assert cli_main(["generate", "--help"]) == 0
+    ours = capsys.readouterr().out
+    assert cli_main(["generate", "--help", "--config-dir", str(REPO / "conf")]) == 0
+    assert capsys.readouterr().out == ours and "== Keys (key=value) ==" in ours and "temperature" in ours
+    with pytest.raises(SystemExit) as stop:  # train's Hydra app exits through SystemExit, as under Hydra
+        cli_main(["train", "precision=bf17", "--help"])
+    assert stop.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.splitlines() == [
+        "perfrun: error: precision=bf17 is not an option of precision; choose one of bf16, fp16, fp8, none"]
+
+
 def test_shell_completion_through_the_subcommand(tmp_path: Path) -> None:
     install = run_cli("train", "-sc", "install=bash", cwd=tmp_path)
     assert install.returncode == 0 and "complete" in install.stdout and "hydra_bash_completion" in install.stdout
