@@ -13,6 +13,7 @@ from __future__ import annotations
 import glob
 import math
 import multiprocessing
+import multiprocessing.pool
 import os
 import shutil
 import signal
@@ -170,7 +171,7 @@ def _pool_worker(settings: corpus.Settings) -> None:
 
 
 @contextmanager
-def worker_pool(settings: corpus.Settings, workers: int) -> Iterator[Any]:
+def worker_pool(settings: corpus.Settings, workers: int) -> Iterator[multiprocessing.pool.Pool]:
     """A pool whose workers are forked with SIGINT and SIGTERM blocked until they have set
     their own handlers. Forked unblocked, a worker held the parent's Python handler until it
     first ran, and a SIGTERM delivered then was dropped (CPython clears a signal caught in the
@@ -180,9 +181,11 @@ def worker_pool(settings: corpus.Settings, workers: int) -> Iterator[Any]:
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOPS)
     try:  # the pool's own threads start here too: they keep the stop signals blocked, as they should
         pool = multiprocessing.get_context().Pool(workers, initializer=_pool_worker, initargs=(settings,))
-    finally:
+    except BaseException:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
-    with pool:
+        raise
+    with pool:  # unblocked inside: a stop signal that came meanwhile is raised here, and ends the pool too
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
         yield pool
 
 
