@@ -64,6 +64,9 @@ def test_help_is_the_text_hydra_prints_and_a_bad_override_one_line(capsys: pytes
     out, err = capsys.readouterr()
     assert out == "" and err.splitlines() == [
         "perfrun: error: precision=bf17 is not an option of precision; choose one of bf16, fp16, fp8, none"]
+    assert cli_main(["generate", "temperature=warm", "--help"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1 and "temperature=warm" in err and "perfrun generate --cfg job" in err
 
 
 def test_shell_completion_through_the_subcommand(tmp_path: Path) -> None:

@@ -193,7 +193,7 @@ def app_help(name: str, parsed: argparse.Namespace, parser: argparse.ArgumentPar
         try:
             cfg = hydra.compose_config(name, parsed.overrides, RunMode.RUN, with_log_configuration=True)
         except Exception as e:  # noqa: BLE001 - every composition error is the user's input
-            error(composition_error(e))
+            error(composition_error(e, name))
             return 2
         HydraConfig.instance().set_config(cfg)
         template = string.Template(cfg.hydra.help.template)
