@@ -83,23 +83,22 @@ def test_byte_prepare_is_split_by_document_and_read_by_memmap(corpus: Path, tmp_
 def test_bpe_documents_end_with_eot_and_workers_do_not_change_the_files(
         corpus: Path, bpe: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Pieces of 64 KiB here (1 MiB in use) and the long document cut to 2.5 of them: the
-    same cuts for a sixteenth of the encoding."""
+    same cuts for a nineteenth of the encoding (160 KiB of the fixture's 3 MiB)."""
     monkeypatch.setattr(prepare_corpus, "PIECE_BYTES", 1 << 16)
-    small = tmp_path / "docs"
-    small.mkdir()
-    for p in sorted(corpus.iterdir()):
-        (small / p.name).write_bytes(p.read_bytes()[: 5 << 15])  # doc03 cut to 160 KiB; the others are smaller
-    tasks, _ = prepare_corpus.plan([(p, p.stat().st_size) for p in sorted(small.iterdir())])
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for p in sorted(corpus.iterdir()):  # doc03 cut to 160 K characters (the others are shorter), whole characters
+        (docs / p.name).write_text(p.read_text()[: 5 << 15])
+    tasks, _ = prepare_corpus.plan([(p, p.stat().st_size) for p in sorted(docs.iterdir())])
     assert sum(piece.path.endswith("doc03.txt") for task in tasks for piece in task) >= 3
-    corpus = small
     one, two = tmp_path / "one", tmp_path / "two"
-    assert prepare(f"path={corpus}", f"out={one}", f"tokenizer={bpe}", "workers=1") == 0
-    assert prepare(f"path={corpus}", f"out={two}", f"tokenizer={bpe}", "workers=2") == 0
+    assert prepare(f"path={docs}", f"out={one}", f"tokenizer={bpe}", "workers=1") == 0
+    assert prepare(f"path={docs}", f"out={two}", f"tokenizer={bpe}", "workers=2") == 0
     for name in ("train.bin", "val.bin"):
         assert (one / name).read_bytes() == (two / name).read_bytes()
     tok = load_tokenizer(str(bpe))
     expected: dict[bool, list[int]] = {False: [], True: []}
-    for k, p in enumerate(sorted(corpus.iterdir())):  # doc03 was cut into pieces: its ids are the whole file's
+    for k, p in enumerate(sorted(docs.iterdir())):  # doc03 was cut into pieces: its ids are the whole file's
         expected[is_val(k, 0.1)] += tok.encode(p.read_text()) + [tok.eot_id]
     train, val = bins(one)
     assert train.tolist() == expected[False] and val.tolist() == expected[True]
