@@ -223,6 +223,21 @@ def test_bad_input_gets_one_line(case, fixtures: Path, capfd: pytest.CaptureFixt
     assert _digest(fixtures) == before  # no file damaged
 
 
+def test_a_value_the_schema_refuses_makes_no_run_dir_and_imports_no_trainer(
+        tmp_path: Path, capfd: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bad value of a single run is refused by the command, before Hydra's job makes the
+    run dir (and before the trainer is imported): nothing is made, then undone."""
+    import sys
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, "perfrun.loop.run")  # given back after the test
+    rc = cli_main(["train", *SMALL, "max_steps=0"])
+    lines = [line for line in capfd.readouterr().err.splitlines() if line.strip()]
+    assert rc == 2 and len(lines) == 1 and "max_steps=0 must be >= 1" in lines[0], lines
+    assert list(tmp_path.iterdir()) == []
+    assert "perfrun.loop.run" not in sys.modules
+
+
 def _first_metrics(tmp_path: Path) -> bool:
     return any(p.stat().st_size > 0 for p in tmp_path.rglob("metrics.jsonl"))
 

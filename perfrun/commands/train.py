@@ -179,7 +179,7 @@ def train_main(args: list[str]) -> int:
     if "--json" in args:
         return _train_json([a for a in args if a != "--json"])
     from perfrun.config import ConfigError, register_configs
-    from perfrun.validate import check_distributed
+    from perfrun.validate import validate
 
     args, given_root = take_search_root(args)
     register_configs()
@@ -213,11 +213,11 @@ def train_main(args: list[str]) -> int:
     nproc = config.nproc if config is not None else arg_value(args, "nproc")
     several = world > 1 or (distributed in PARALLEL and str(nproc).isdigit() and int(nproc) > 1)
     if config is not None:
-        try:  # several processes: refuse a bad value once, here, rather than once per rank
-            if several:
+        try:  # refused here, in a tenth of a second and before any run dir is made; several
+            if several:  # processes: once, here, rather than once per rank
                 validate_job(config, int(nproc) if world == 1 else None)
             else:
-                check_distributed(config)
+                validate(config)
         except ConfigError as e:
             if os.environ.get("RANK", "0") == "0":
                 error(str(e))
