@@ -196,3 +196,15 @@ def test_wheel_ships_the_config_and_runs_from_anywhere(tmp_path: Path) -> None:
     where = subprocess.run([sys.executable, "-c", "import perfrun.commands.train as c; print(c.config_dir())"], cwd=elsewhere,
                            env=env, capture_output=True, text=True, timeout=60)
     assert where.stdout.strip().startswith(str(site))
+
+
+def test_the_program_freezes_its_heap_on_the_way_out() -> None:
+    """The interpreter's last full collection would walk every object torch made (~1 s on
+    2 cores): the program freezes the heap once the command has returned, before atexit."""
+    code = ("import atexit, gc, runpy, sys; atexit.register(lambda: print('frozen', gc.get_freeze_count())); "
+            "sys.argv = ['perfrun', '--version']; runpy.run_module('perfrun', run_name='__main__')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.returncode == 0, out.stderr
+    version, frozen = out.stdout.splitlines()
+    assert version.startswith("perfrun ") and int(frozen.split()[1]) > 0

@@ -234,4 +234,9 @@ def world_size() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    import gc
+
+    try:
+        raise SystemExit(main())
+    finally:
+        gc.freeze()  # no last full collection over torch's objects at exit (see perfrun.__main__)
