@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import compileall
+import copy
+import functools
 import gc
 import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -17,6 +20,12 @@ from typing import Any
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
+from hydra._internal.config_loader_impl import ConfigLoaderImpl
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import ConfigCompositionException
+from omegaconf import DictConfig
+from omegaconf.errors import OmegaConfBaseException
+from warm_processes import Server, WarmProcess
 
 from perfrun.config import TrainConfig, config_dir, register_configs, typed
 
@@ -156,11 +165,40 @@ def text_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return checkpoint_files.list_checkpoints(folder / "checkpoints")[-1]
 
 
-def make_cfg(*overrides: str, tiny: bool = True) -> TrainConfig:
-    """A job's configuration as ``perfrun train`` makes it: composed from conf/, then typed."""
+# conf/'s config groups: an override of one of these picks a file of the defaults list; any
+# other override sets a value of the composed configuration
+GROUPS = frozenset(p.name for p in Path(config_dir()).iterdir() if p.is_dir())
+
+
+def picks_a_file(override: str) -> bool:
+    key = override.split("=", 1)[0].lstrip("+~")
+    return "/" in key or key in GROUPS or key.startswith("hydra")
+
+
+@functools.cache
+def _composed(choices: tuple[str, ...]) -> DictConfig:
+    """train.yaml composed by Hydra with these group choices and no other override."""
     register_configs()
     with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
-        return typed(compose("train", overrides=(TINY if tiny else []) + list(overrides)))
+        return compose("train", overrides=list(choices))
+
+
+def make_cfg(*overrides: str, tiny: bool = True) -> TrainConfig:
+    """A job's configuration as ``perfrun train`` makes it: composed from conf/, then typed.
+
+    Hydra composes in two steps: the files the group choices pick, merged; then every other
+    override applied to the result (struct mode on). The first step is made once per set of
+    choices in a test process (a compose takes ~0.2 s on 2 cores; the suite makes ~500), the
+    second is Hydra's own code on a copy of it. test_compose_once.py holds the result equal
+    to a whole compose."""
+    given = (TINY if tiny else []) + list(overrides)
+    cfg = copy.deepcopy(_composed(tuple(o for o in given if picks_a_file(o))))
+    values = OverridesParser.create().parse_overrides([o for o in given if not picks_a_file(o)])
+    try:
+        ConfigLoaderImpl._apply_overrides_to_config(values, cfg)
+    except OmegaConfBaseException as e:  # as Hydra's compose raises it
+        raise ConfigCompositionException(str(e)) from e
+    return typed(cfg)
 
 
 def _pythonpath() -> str:
@@ -169,13 +207,42 @@ def _pythonpath() -> str:
     return os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
 
 
+_warm: list[Server] = []  # this test process's warm interpreter, started by the first command
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _warm_interpreter_ends() -> Iterator[None]:
+    yield
+    for server in _warm:
+        server.close()
+
+
+def perfrun_process(*args: str, cwd: Path, env: dict[str, str] | None = None, stdin: Any = None,
+                    stdout: Any = None, stderr: Any = None, text: bool = False) -> Any:
+    """``python -m perfrun ARGS`` as a process of its own, as ``subprocess.Popen`` starts it;
+    ``env``: the whole environment (by default this process's, with this checkout first on
+    PYTHONPATH). Forked from a warm interpreter where the environment allows it
+    (:mod:`warm_processes`), else a fresh one."""
+    env = {**os.environ, "PYTHONPATH": _pythonpath()} if env is None else env
+    if not _warm:
+        _warm.append(Server(Path(tempfile.mkdtemp(prefix="perfrun-warm-")), {**os.environ, "PYTHONPATH": _pythonpath()}))
+    if _warm[0].serves(env):
+        return WarmProcess(_warm[0], list(args), cwd=cwd, env=env, stdin=stdin, stdout=stdout, stderr=stderr, text=text)
+    return subprocess.Popen([sys.executable, "-m", "perfrun", *args], cwd=cwd, env=env, stdin=stdin, stdout=stdout,
+                            stderr=stderr, text=text)
+
+
 def run_cli(*args: str, cwd: Path, timeout: float = 240, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """``perfrun ARGS`` in a real subprocess, as a user runs it."""
     full_env = {**os.environ, "PYTHONPATH": _pythonpath(), "COLUMNS": "200", **(env or {})}
-    return subprocess.run(
-        [sys.executable, "-m", "perfrun", *args], cwd=cwd, env=full_env,
-        capture_output=True, text=True, timeout=timeout,
-    )
+    proc = perfrun_process(*args, cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def launch(*args: str, cwd: Path) -> int:
@@ -193,11 +260,10 @@ def launch(*args: str, cwd: Path) -> int:
             return int(e.code or 0)
 
 
-def start_train(cwd: Path, *args: str) -> subprocess.Popen:
+def start_train(cwd: Path, *args: str) -> Any:
     """``perfrun train args`` as a separate process, its output piped, for a test to signal or kill."""
     env = {**os.environ, "PYTHONPATH": _pythonpath(), "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen([sys.executable, "-m", "perfrun", "train", *args], cwd=cwd, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return perfrun_process("train", *args, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def wait_for(predicate: Any, timeout: float = 120) -> None:

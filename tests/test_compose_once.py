@@ -106,3 +106,32 @@ def test_what_hydra_answers_without_a_job_composes_once(compositions: list[list[
     assert train("--cfg", "job", "max_steps=3") == 0
     assert "max_steps: 3" in capfd.readouterr().out
     assert compositions == [["max_steps=3"]]  # Hydra's own; no search for a run no job continues
+
+
+WHOLE = [  # group choices and values mixed, a value given twice, a value of a chosen group
+    [], ["precision=bf16", "max_steps=3"], ["model=llama-tiny", "model.n_layer=3", "model.n_kv_head=1"],
+    ["data=text", "data.path=/x", "loss=chunked", "loss.chunk_size=24"],
+    ["checkpointing=full", "accumulation.steps=2", "compile=true", "compile_options.mode=max-autotune", "max_steps=7"],
+    ["distributed=fsdp", "fsdp.reshard_after_forward=false", "dataloader.batch_size=auto", "seed=3"],
+    ["+ablation=naive", "logger=tensorboard", "optim=adamw", "optim.lr=0.5", "ablation.repeats=2"],
+]
+
+
+@pytest.mark.parametrize("overrides", WHOLE)
+def test_the_tests_configuration_is_a_whole_compose(overrides: list[str]) -> None:
+    """conftest.make_cfg composes the group choices once and applies the values with Hydra's
+    own code: the configuration equals the one Hydra composes from the whole command line."""
+    from hydra import compose, initialize_config_dir
+
+    from perfrun.config import config_dir, typed
+
+    from conftest import TINY, make_cfg
+
+    register_configs()
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+        whole = typed(compose("train", overrides=TINY + overrides))
+        with pytest.raises(Exception) as hydra_says:  # noqa: B017 - the same refusal, whatever its class
+            compose("train", overrides=[*TINY, *overrides, "max_steps=abc"])
+    assert make_cfg(*overrides) == whole
+    with pytest.raises(type(hydra_says.value)):
+        make_cfg(*overrides, "max_steps=abc")

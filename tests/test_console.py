@@ -10,8 +10,6 @@ import os
 import pty
 import re
 import struct
-import subprocess
-import sys
 import termios
 from fcntl import ioctl
 from pathlib import Path
@@ -23,7 +21,7 @@ from perfrun.commands.tune import kept_logging
 from perfrun.telemetry import sinks
 from perfrun.telemetry.sinks import TIME_WIDTH, ConsoleReporter, gpu_parts, step_line
 
-from conftest import REPO, TINY, launch
+from conftest import REPO, TINY, launch, perfrun_process
 
 TIMED = re.compile(r"^\d\d:\d\d:\d\d \S")  # "06:12:01 message"
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07")
@@ -116,8 +114,8 @@ def test_on_an_80_column_terminal_each_log_point_is_one_line(tmp_path: Path) -> 
     env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
     env.update(PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p), TERM="xterm-256color")
     args = [a for a in TINY if not a.startswith("progress=")]
-    proc = subprocess.Popen([sys.executable, "-m", "perfrun", "train", *args, "progress=auto"], cwd=tmp_path, env=env,
-                            stdin=slave, stdout=slave, stderr=slave)
+    proc = perfrun_process("train", *args, "progress=auto", cwd=tmp_path, env=env, stdin=slave, stdout=slave,
+                           stderr=slave)
     os.close(slave)
     out = b""
     while True:

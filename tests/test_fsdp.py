@@ -16,7 +16,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from collections import Counter
 from contextlib import ExitStack
@@ -36,7 +35,7 @@ from perfrun.knobs import Plan, apply_knobs
 from perfrun.loop.run import run
 from perfrun.models.gpt import GPT, GPTConfig
 
-from conftest import RANKS_COMMON, REPO, launch, losses, make_cfg, torchrun
+from conftest import RANKS_COMMON, launch, losses, make_cfg, perfrun_process, torchrun
 
 TOL = 1e-5  # float32 sums in another order (see test_distributed.py)
 STEPS = 6
@@ -211,10 +210,8 @@ def test_sigterm_stops_every_rank_at_one_step_and_the_same_ranks_resume_exactly(
     args = [*COMMON, "distributed=fsdp", "dataloader.batch_size=2", "model.dropout=0.1", "optim.warmup_steps=1000",
             "checkpoint.every_n_steps=1", "checkpoint.keep_last=3"]
     stopped = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    p = subprocess.Popen([sys.executable, "-m", "perfrun", "train", *args, f"hydra.run.dir={stopped}", "nproc=2",
-                          "max_steps=100000"], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True)
+    p = perfrun_process("train", *args, f"hydra.run.dir={stopped}", "nproc=2", "max_steps=100000", cwd=tmp_path,
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     end = time.monotonic() + 120
     while not _trained_to(stopped / "metrics.jsonl", 3):  # checkpoints before the stop's to resume from
         assert time.monotonic() < end and p.poll() is None, p.stderr.read() if p.poll() is not None else "timeout"

@@ -8,7 +8,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import sysconfig
 import time
 from pathlib import Path
@@ -25,7 +24,7 @@ from perfrun.prepare import build
 from perfrun.prepare import corpus as prepare_corpus
 from perfrun.prepare.corpus import PIECE_BYTES, Settings, is_val
 
-from conftest import REPO, wait_for
+from conftest import REPO, perfrun_process, wait_for
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 SOURCES = ["textwrap.py", "colorsys.py", "this.py", "bisect.py", "keyword.py", "fnmatch.py", "glob.py",
@@ -192,8 +191,8 @@ def test_out_is_new_empty_or_an_earlier_prepare(corpus: Path, tmp_path: Path, ca
 
 def _start(*args: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen([sys.executable, "-m", "perfrun", "prepare", "progress=false", *args], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return perfrun_process("prepare", "progress=false", *args, cwd=Path.cwd(), env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
 
 
 def _wait_for_tokens(tmp: Path, proc: subprocess.Popen) -> None:

@@ -8,8 +8,6 @@ import json
 import os
 import shlex
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +16,7 @@ from perfrun.commands.report import main as report_main
 from perfrun.commands.tune import kept_logging
 from perfrun.report import load
 
-from conftest import REPO, TINY, launch, wait_for
+from conftest import REPO, TINY, launch, perfrun_process, wait_for
 
 QUICK = [o for o in TINY if not o.startswith("max_steps")] + ["max_steps=40", "log_every=1"]
 
@@ -34,8 +32,8 @@ def test_sigterm_mid_sweep_keeps_the_finished_job_and_resume_runs_only_the_rest(
     log = tmp_path / "sweep.log"
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
     with log.open("w") as out:  # a file, not a pipe: a full pipe would stop the sweep
-        proc = subprocess.Popen([sys.executable, "-m", "perfrun", "train", "-m", "seed=1,2", *QUICK,
-                                 f"hydra.sweep.dir={sweep}"], cwd=tmp_path, env=env, stdout=out, stderr=out)
+        proc = perfrun_process("train", "-m", "seed=1,2", *QUICK, f"hydra.sweep.dir={sweep}", cwd=tmp_path, env=env,
+                               stdout=out, stderr=out)
         try:
             wait_for(lambda: _trained(sweep / "1") or proc.poll() is not None, timeout=200)
             proc.send_signal(signal.SIGTERM)

@@ -1,0 +1,261 @@
+"""``python -m perfrun ARGS`` processes for the tests, forked from a warm interpreter.
+
+A fresh interpreter spends 4-6 s on 2 cores importing torch, dynamo and Hydra before perfrun
+reads its command line; the suite starts a few dozen. This module runs a server process that
+has imported them once and forks one child per command. Each child is a real process, as
+``subprocess.Popen`` makes one: its own pid, signals, exit code (killed: minus the signal),
+pipes or terminal, working directory and environment; it runs ``perfrun`` as ``python -m``
+runs a module, and ends through the interpreter's own exit (atexit, flushes, threads).
+
+What a fresh interpreter reads before running any code (``PYTHON*`` settings, ``OMP_*``,
+``LD_*``, ``MALLOC_*``, torch's settings, another ``PYTHONPATH``...) the warm one has already
+read: a command whose environment differs from the server's in anything but the runtime
+settings below starts a fresh interpreter, as before.
+
+Run as a script, this file is the server: ``python warm_processes.py SOCKET``.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import IO, Any
+
+# read by perfrun, Hydra or rich while they run, never at import (PYTEST_CURRENT_TEST: set by
+# pytest for each test, read by none of them): a child may have its own
+RUNTIME_ENV = frozenset({"COLUMNS", "LINES", "TERM", "NO_COLOR", "FORCE_COLOR", "COMP_LINE", "COMP_POINT",
+                         "HYDRA_FULL_ERROR", "PYTHONUNBUFFERED", "PERFRUN_CACHE", "PYTEST_CURRENT_TEST"})
+PRELOAD = ("torch", "torch._dynamo", "hydra", "perfrun.commands.dispatch", "perfrun.commands.train",
+           "perfrun.loop.run")
+
+
+class Server:
+    """The warm interpreter of one test process, started with the environment ``env``."""
+
+    def __init__(self, folder: Path, env: dict[str, str]) -> None:
+        self.env = dict(env)
+        self.path = str(folder / "warm.sock")
+        log = folder / "warm.log"
+        alive, self.alive = os.pipe()  # the server ends when this end closes: with this process
+        with log.open("w") as out:  # the server is a grandchild (a daemon), so that it is no child
+            starter = subprocess.Popen([sys.executable, __file__, self.path, str(alive)], env=self.env,  # here
+                                       stdin=subprocess.DEVNULL, stdout=out, stderr=out, pass_fds=[alive])
+        os.close(alive)
+        starter.wait()
+        end = time.monotonic() + 120
+        while not os.path.exists(self.path):  # bound once the imports are done
+            if time.monotonic() > end or "Traceback" in log.read_text():
+                raise RuntimeError(f"the warm interpreter did not start: {log.read_text()[-2000:]}")
+            time.sleep(0.01)
+        # a fresh interpreter prints what its imports print (a warning, say) before perfrun's
+        # own output: where the warm one's imports printed anything, its children would not
+        self.silent = log.stat().st_size == 0
+
+    def serves(self, env: dict[str, str]) -> bool:
+        """Whether a child with ``env`` behaves as a fresh interpreter with it would."""
+        keys = set(env) | set(self.env)
+        return self.silent and all(env.get(k) == self.env.get(k) for k in keys - RUNTIME_ENV)
+
+    def close(self) -> None:
+        os.close(self.alive)
+
+
+def _fd(stream: Any, default: int) -> tuple[int, int | None]:
+    """(the fd the child gets, the read end kept here for a pipe)."""
+    if stream is None:
+        return default, None
+    if stream is subprocess.PIPE:
+        read, write = os.pipe()
+        return write, read
+    if stream is subprocess.DEVNULL:
+        return os.open(os.devnull, os.O_RDWR), None
+    return (stream if isinstance(stream, int) else stream.fileno()), None
+
+
+class WarmProcess:
+    """The part of ``subprocess.Popen`` the tests use, for a child of the warm interpreter."""
+
+    def __init__(self, server: Server, args: list[str], *, cwd: Path | str, env: dict[str, str],
+                 stdin: Any = None, stdout: Any = None, stderr: Any = None, text: bool = False) -> None:
+        self.args = [sys.executable, "-m", "perfrun", *args]
+        self.returncode: int | None = None
+        ends = [_fd(stdin, 0), _fd(stdout, 1), _fd(stderr, 2)]
+        self.stdin = None
+        self.stdout, self.stderr = (self._reader(read, text) for _, read in ends[1:])
+        request = json.dumps({"args": args, "cwd": str(cwd), "env": env}).encode()
+        self.conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.conn.connect(server.path)
+        socket.send_fds(self.conn, [len(request).to_bytes(8, "big") + request], [fd for fd, _ in ends])
+        for (fd, read), given in zip(ends, (stdin, stdout, stderr), strict=True):
+            if read is not None or given is subprocess.DEVNULL:
+                os.close(fd)  # the child holds its own copy
+        self.pid = self._line()
+
+    def _line(self) -> int:
+        """The server's next line (a pid, then an exit code), read byte by byte: nothing is
+        buffered here beyond it, so that select() on the socket says whether one is waiting."""
+        data = b""
+        while not data.endswith(b"\n"):
+            byte = self.conn.recv(1)
+            if not byte:
+                raise RuntimeError("the warm interpreter ended before the process it started")
+            data += byte
+        return int(data)
+
+    @staticmethod
+    def _reader(fd: int | None, text: bool) -> IO[Any] | None:
+        return None if fd is None else open(fd, "r" if text else "rb")  # noqa: SIM115 - closed by communicate
+
+    def poll(self) -> int | None:
+        if self.returncode is None and select.select([self.conn], [], [], 0)[0]:
+            self.returncode = self._line()
+            self.conn.close()
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            if not select.select([self.conn], [], [], timeout)[0]:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            self.returncode = self._line()
+            self.conn.close()
+        return self.returncode
+
+    def communicate(self, timeout: float | None = None) -> tuple[Any, Any]:
+        """Both pipes read to their end, then the exit code (as Popen.communicate)."""
+        end = None if timeout is None else time.monotonic() + timeout
+        streams = [s for s in (self.stdout, self.stderr) if s is not None and not s.closed]
+        chunks: dict[Any, list[bytes]] = {s: [] for s in streams}
+        while streams:
+            left = None if end is None else max(0.0, end - time.monotonic())
+            ready = select.select(streams, [], [], left)[0]
+            if not ready:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            for s in ready:
+                data = os.read(s.fileno(), 65536)
+                if data:
+                    chunks[s].append(data)
+                else:
+                    streams.remove(s)
+        self.wait(None if end is None else max(0.0, end - time.monotonic()))
+        out = []
+        for s in (self.stdout, self.stderr):
+            if s is None or s not in chunks:
+                out.append(None)
+                continue
+            data = b"".join(chunks[s])  # text as Popen gives it: decoded, universal newlines
+            out.append(data.decode().replace("\r\n", "\n").replace("\r", "\n") if isinstance(s, io.TextIOWrapper)
+                       else data)
+            s.close()
+        return out[0], out[1]
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+# ---- the server: runs in the warm interpreter ----------------------------------------------
+
+
+def _serve(path: str, alive: int) -> tuple[dict[str, Any], list[int]] | None:
+    """Fork a child per request and report its exit code; returns (the request, its fds) in
+    the child, None once ``alive`` is closed (the test process that started this server ended)."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path + ".new")
+    listener.listen(64)
+    os.rename(path + ".new", path)  # the path appears once the server listens
+    children: dict[int, socket.socket] = {}
+    while True:
+        ready = select.select([listener, alive], [], [], 0.02)[0]
+        if alive in ready and not os.read(alive, 1):
+            break
+        if listener in ready:
+            conn, _ = listener.accept()
+            data, fds, _, _ = socket.recv_fds(conn, 1 << 16, 3)
+            size = int.from_bytes(data[:8], "big")
+            while len(data) < 8 + size:
+                data += conn.recv(1 << 16)
+            pid = os.fork()
+            if pid == 0:
+                listener.close()
+                os.close(alive)
+                for c in [*children.values(), conn]:
+                    c.close()
+                return json.loads(data[8:]), fds
+            for fd in fds:
+                os.close(fd)
+            conn.sendall(f"{pid}\n".encode())
+            children[pid] = conn
+        while children:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            conn = children.pop(pid)
+            try:
+                conn.sendall(f"{os.waitstatus_to_exitcode(status)}\n".encode())
+            except OSError:  # the test stopped listening
+                pass
+            conn.close()
+    os.unlink(path)
+    return None
+
+
+def _stdio(fd: int, write: bool, unbuffered: bool, errors: str) -> io.TextIOWrapper:
+    """A standard stream over ``fd`` as a fresh interpreter makes it (line-buffered on a
+    terminal and for stderr, unbuffered under PYTHONUNBUFFERED)."""
+    raw = io.FileIO(fd, "w" if write else "r", closefd=False)
+    if not write:
+        return io.TextIOWrapper(io.BufferedReader(raw), encoding=sys.stdin.encoding, errors=errors)
+    buffer: Any = raw if unbuffered else io.BufferedWriter(raw)
+    return io.TextIOWrapper(buffer, encoding=sys.stdout.encoding, errors=errors, write_through=unbuffered,
+                            line_buffering=not unbuffered and (raw.isatty() or fd == 2))
+
+
+def _become(request: dict[str, Any], fds: list[int]) -> None:
+    """This child, made the process ``python -m perfrun ARGS`` would be."""
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+    for fd in set(fds) - {0, 1, 2}:
+        os.close(fd)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    unbuffered = bool(os.environ.get("PYTHONUNBUFFERED"))
+    sys.stdin = sys.__stdin__ = _stdio(0, False, unbuffered, sys.stdin.errors)
+    sys.stdout = sys.__stdout__ = _stdio(1, True, unbuffered, sys.stdout.errors)
+    sys.stderr = sys.__stderr__ = _stdio(2, True, unbuffered, sys.stderr.errors)
+    sys.path[0] = os.getcwd()  # python -m puts the working directory first
+    sys.argv = ["-m", *request["args"]]
+
+
+if __name__ == "__main__":
+    if os.fork() > 0:  # the starter ends at once; the server goes on as its child, adopted by init
+        os._exit(0)
+    import gc
+    import importlib
+
+    for name in PRELOAD:
+        importlib.import_module(name)
+    gc.collect()
+    gc.freeze()  # what the imports made stays out of each child's collections (see conftest)
+    served = _serve(sys.argv[1], int(sys.argv[2]))
+    if served is None:
+        raise SystemExit(0)
+    _become(*served)
+    del served
+    import runpy
+
+    runpy._run_module_as_main("perfrun")  # what python -m perfrun runs
