@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -207,28 +208,34 @@ def _pythonpath() -> str:
     return os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
 
 
-_warm: list[Server] = []  # this test process's warm interpreter, started by the first command
+_warm: list[Server] = []  # this test process's warm interpreter
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _warm_interpreter_ends() -> Iterator[None]:
+def _warm_interpreter(_cache_dir: None, _one_thread_per_process: None) -> Iterator[None]:
+    """Started with the session's environment (its cache, one thread), before any test
+    changes it: a command run with that environment is forked from it."""
+    try:
+        _warm.append(Server(Path(tempfile.mkdtemp(prefix="perfrun-warm-")), {**os.environ, "PYTHONPATH": _pythonpath()}))
+    except RuntimeError as e:  # the commands then start fresh interpreters, as they would without it
+        warnings.warn(f"{e}: every perfrun process of this test process starts a fresh interpreter", stacklevel=1)
     yield
     for server in _warm:
         server.close()
+    _warm.clear()
 
 
-def perfrun_process(*args: str, cwd: Path, env: dict[str, str] | None = None, stdin: Any = None,
-                    stdout: Any = None, stderr: Any = None, text: bool = False) -> Any:
-    """``python -m perfrun ARGS`` as a process of its own, as ``subprocess.Popen`` starts it;
-    ``env``: the whole environment (by default this process's, with this checkout first on
-    PYTHONPATH). Forked from a warm interpreter where the environment allows it
-    (:mod:`warm_processes`), else a fresh one."""
+def perfrun_process(*args: str, cwd: Path | str, env: dict[str, str] | None = None, stdin: Any = None,
+                    stdout: Any = None, stderr: Any = None, text: bool = False, module: str = "perfrun") -> Any:
+    """``python -m MODULE ARGS`` (perfrun by default) as a process of its own, as
+    ``subprocess.Popen`` starts it; ``env``: the whole environment (by default this process's,
+    with this checkout first on PYTHONPATH). Forked from a warm interpreter where the
+    environment allows it (:mod:`warm_processes`), else a fresh one."""
     env = {**os.environ, "PYTHONPATH": _pythonpath()} if env is None else env
-    if not _warm:
-        _warm.append(Server(Path(tempfile.mkdtemp(prefix="perfrun-warm-")), {**os.environ, "PYTHONPATH": _pythonpath()}))
-    if _warm[0].serves(env):
-        return WarmProcess(_warm[0], list(args), cwd=cwd, env=env, stdin=stdin, stdout=stdout, stderr=stderr, text=text)
-    return subprocess.Popen([sys.executable, "-m", "perfrun", *args], cwd=cwd, env=env, stdin=stdin, stdout=stdout,
+    if _warm and _warm[0].serves(env):
+        return WarmProcess(_warm[0], list(args), cwd=cwd, env=env, stdin=stdin, stdout=stdout, stderr=stderr,
+                           text=text, module=module)
+    return subprocess.Popen([sys.executable, "-m", module, *args], cwd=cwd, env=env, stdin=stdin, stdout=stdout,
                             stderr=stderr, text=text)
 
 
@@ -248,12 +255,20 @@ def run_cli(*args: str, cwd: Path, timeout: float = 240, env: dict[str, str] | N
 def launch(*args: str, cwd: Path) -> int:
     """``perfrun ARGS`` with the launcher in this process (a process start fewer than
     :func:`run_cli`): what it starts, torchrun and its ranks, are real processes that import
-    this checkout. Its exit code."""
+    this checkout (torchrun's own process forked from the warm interpreter). Its exit code."""
     from perfrun.commands.dispatch import main as cli_main
+
+    popen = subprocess.Popen
+
+    def torchrun_warm(cmd: Any, *rest: Any, **kw: Any) -> Any:
+        if rest or set(kw) - {"stdout"} or list(cmd[:3]) != [sys.executable, "-m", "perfrun.commands.launch"]:
+            return popen(cmd, *rest, **kw)
+        return perfrun_process(*cmd[3:], cwd=os.getcwd(), env=dict(os.environ), stdout=kw.get("stdout"), module=cmd[2])
 
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(cwd)
         mp.setenv("PYTHONPATH", _pythonpath())
+        mp.setattr(subprocess, "Popen", torchrun_warm)
         try:
             return cli_main(list(args))
         except SystemExit as e:  # Hydra's app exits through SystemExit
@@ -276,11 +291,13 @@ def wait_for(predicate: Any, timeout: float = 120) -> None:
 
 
 def torchrun(cwd: Path, *args: str, nproc: int = 2) -> subprocess.CompletedProcess:
-    """``torchrun --nproc_per_node=N -m perfrun train ARGS``, as a user starts it by hand."""
+    """``torchrun --nproc_per_node=N -m perfrun train ARGS``, as a user starts it by hand
+    (torchrun's own process forked from the warm interpreter; its ranks fresh ones)."""
     env = {**os.environ, "PYTHONPATH": _pythonpath(), "COLUMNS": "200"}
-    return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-         "-m", "perfrun", "train", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+    proc = perfrun_process("--standalone", f"--nproc_per_node={nproc}", "-m", "perfrun", "train", *args, cwd=cwd, env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, module="torch.distributed.run")
+    out, err = proc.communicate(timeout=120)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def losses(run_dir: Path) -> dict[int, float]:

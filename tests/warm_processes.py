@@ -1,11 +1,12 @@
-"""``python -m perfrun ARGS`` processes for the tests, forked from a warm interpreter.
+"""``python -m MODULE ARGS`` processes for the tests (perfrun, its torchrun launcher,
+torchrun), forked from a warm interpreter.
 
 A fresh interpreter spends 4-6 s on 2 cores importing torch, dynamo and Hydra before perfrun
 reads its command line; the suite starts a few dozen. This module runs a server process that
 has imported them once and forks one child per command. Each child is a real process, as
 ``subprocess.Popen`` makes one: its own pid, signals, exit code (killed: minus the signal),
-pipes or terminal, working directory and environment; it runs ``perfrun`` as ``python -m``
-runs a module, and ends through the interpreter's own exit (atexit, flushes, threads).
+pipes or terminal, working directory and environment; it runs the module as ``python -m``
+does, and ends through the interpreter's own exit (atexit, flushes, threads).
 
 What a fresh interpreter reads before running any code (``PYTHON*`` settings, ``OMP_*``,
 ``LD_*``, ``MALLOC_*``, torch's settings, another ``PYTHONPATH``...) the warm one has already
@@ -29,12 +30,15 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-# read by perfrun, Hydra or rich while they run, never at import (PYTEST_CURRENT_TEST: set by
-# pytest for each test, read by none of them): a child may have its own
+# read by perfrun, Hydra, rich or torch while they run, never at import: a child may have its
+# own. PYTEST_CURRENT_TEST: set by pytest for each test, read by none of them;
+# TORCHINDUCTOR_CACHE_DIR: set in this process by torch once it looks for its cache, read
+# by torch each time it does.
 RUNTIME_ENV = frozenset({"COLUMNS", "LINES", "TERM", "NO_COLOR", "FORCE_COLOR", "COMP_LINE", "COMP_POINT",
-                         "HYDRA_FULL_ERROR", "PYTHONUNBUFFERED", "PERFRUN_CACHE", "PYTEST_CURRENT_TEST"})
-PRELOAD = ("torch", "torch._dynamo", "hydra", "perfrun.commands.dispatch", "perfrun.commands.train",
-           "perfrun.loop.run")
+                         "HYDRA_FULL_ERROR", "PYTHONUNBUFFERED", "PERFRUN_CACHE", "PYTEST_CURRENT_TEST",
+                         "TORCHINDUCTOR_CACHE_DIR"})
+PRELOAD = ("torch", "torch._dynamo", "torch.distributed.run", "hydra", "perfrun.commands.dispatch",
+           "perfrun.commands.train", "perfrun.loop.run")
 
 
 class Server:
@@ -84,13 +88,14 @@ class WarmProcess:
     """The part of ``subprocess.Popen`` the tests use, for a child of the warm interpreter."""
 
     def __init__(self, server: Server, args: list[str], *, cwd: Path | str, env: dict[str, str],
-                 stdin: Any = None, stdout: Any = None, stderr: Any = None, text: bool = False) -> None:
-        self.args = [sys.executable, "-m", "perfrun", *args]
+                 stdin: Any = None, stdout: Any = None, stderr: Any = None, text: bool = False,
+                 module: str = "perfrun") -> None:
+        self.args = [sys.executable, "-m", module, *args]
         self.returncode: int | None = None
         ends = [_fd(stdin, 0), _fd(stdout, 1), _fd(stderr, 2)]
         self.stdin = None
         self.stdout, self.stderr = (self._reader(read, text) for _, read in ends[1:])
-        request = json.dumps({"args": args, "cwd": str(cwd), "env": env}).encode()
+        request = json.dumps({"module": module, "args": args, "cwd": str(cwd), "env": env}).encode()
         self.conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.conn.connect(server.path)
         socket.send_fds(self.conn, [len(request).to_bytes(8, "big") + request], [fd for fd, _ in ends])
@@ -255,7 +260,8 @@ if __name__ == "__main__":
     if served is None:
         raise SystemExit(0)
     _become(*served)
+    module = served[0]["module"]
     del served
     import runpy
 
-    runpy._run_module_as_main("perfrun")  # what python -m perfrun runs
+    runpy._run_module_as_main(module)  # what python -m MODULE runs

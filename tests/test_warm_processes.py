@@ -1,0 +1,64 @@
+"""The suite's perfrun processes forked from a warm interpreter (tests/warm_processes.py) are
+processes of their own, with the working directory, environment, pipes and exit status a
+fresh ``python -m perfrun`` would have, and a command whose environment a fresh
+interpreter would read at start-up gets a fresh one."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from warm_processes import WarmProcess
+
+import conftest
+from conftest import perfrun_process
+
+
+@pytest.fixture
+def server() -> conftest.Server:
+    if not conftest._warm:
+        pytest.fail("the warm interpreter did not start (see the warning above)")
+    return conftest._warm[0]
+
+
+def test_a_command_under_the_sessions_environment_is_a_warm_child(server: conftest.Server, tmp_path: Path) -> None:
+    env = {**server.env, "COLUMNS": "80", "PYTHONUNBUFFERED": "1"}  # settings read at run time only
+    p = perfrun_process("--version", cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = p.communicate(timeout=60)
+    assert isinstance(p, WarmProcess) and p.pid != os.getpid()
+    assert (p.returncode, out, err) == (0, f"perfrun {__import__('perfrun').__version__}\n", "")
+    bad = perfrun_process("trian", cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = bad.communicate(timeout=60)
+    assert bad.returncode == 2 and "unknown command 'trian'" in err and not out
+
+
+def test_a_warm_child_has_its_own_directory_environment_and_signals(server: conftest.Server, tmp_path: Path) -> None:
+    """``perfrun train --cfg job`` prints the configuration composed in its own working
+    directory; a child stopped by a signal reports it as Popen does (minus the signal)."""
+    (tmp_path / "here").mkdir()
+    p = perfrun_process("train", "--cfg", "job", "seed=7", cwd=tmp_path / "here", env={**server.env, "COLUMNS": "123"},
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, _ = p.communicate(timeout=120)
+    assert isinstance(p, WarmProcess) and p.returncode == 0 and "seed: 7" in out
+    sleeper = perfrun_process("-n", "1", "-r", "1", "import time; time.sleep(120)", cwd=tmp_path, env=server.env,
+                              stdout=subprocess.DEVNULL, module="timeit")  # python -m timeit: a child that waits
+    assert isinstance(sleeper, WarmProcess) and sleeper.poll() is None
+    sleeper.send_signal(signal.SIGKILL)
+    assert sleeper.wait(timeout=60) == -signal.SIGKILL
+
+
+def test_settings_read_at_start_up_get_a_fresh_interpreter(server: conftest.Server, tmp_path: Path) -> None:
+    assert server.serves({**server.env, "COLUMNS": "80", "COMP_LINE": "perfrun t"})
+    for key, value in (("PYTHONPROFILEIMPORTTIME", "1"), ("OMP_NUM_THREADS", "7"), ("PYTHONPATH", str(tmp_path)),
+                       ("MALLOC_ARENA_MAX", "2"), ("TORCH_LOGS", "dynamo")):
+        assert not server.serves({**server.env, key: value}), key
+    without = {k: v for k, v in server.env.items() if k != "PYTHONPATH"}
+    assert not server.serves(without)
+    fresh = perfrun_process("--version", cwd=tmp_path, env={**server.env, "PYTHONWARNINGS": "error"},
+                            stdout=subprocess.PIPE, text=True)
+    assert isinstance(fresh, subprocess.Popen) and fresh.communicate(timeout=60)[0].startswith("perfrun ")
+    assert fresh.args[:3] == [sys.executable, "-m", "perfrun"]
