@@ -230,7 +230,7 @@ def test_a_value_the_schema_refuses_makes_no_run_dir_and_imports_no_trainer(
     import sys
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.delitem(sys.modules, "perfrun.loop.run")  # given back after the test
+    monkeypatch.delitem(sys.modules, "perfrun.loop.run", raising=False)  # given back after the test
     rc = cli_main(["train", *SMALL, "max_steps=0"])
     lines = [line for line in capfd.readouterr().err.splitlines() if line.strip()]
     assert rc == 2 and len(lines) == 1 and "max_steps=0 must be >= 1" in lines[0], lines
