@@ -37,6 +37,12 @@ from typing import IO, Any
 RUNTIME_ENV = frozenset({"COLUMNS", "LINES", "TERM", "NO_COLOR", "FORCE_COLOR", "COMP_LINE", "COMP_POINT",
                          "HYDRA_FULL_ERROR", "PYTHONUNBUFFERED", "PERFRUN_CACHE", "PYTEST_CURRENT_TEST",
                          "TORCHINDUCTOR_CACHE_DIR"})
+# set by torchrun for each of its ranks (or in its own process, which they inherit), read by
+# torch.distributed and perfrun when a rank joins its group
+RANK_ENV = frozenset({"RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE", "WORLD_SIZE",
+                      "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
+                      "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE",
+                      "TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_SIGNALS_TO_HANDLE", "TORCH_NCCL_ASYNC_ERROR_HANDLING"})
 PRELOAD = ("torch", "torch._dynamo", "torch.distributed.run", "hydra", "perfrun.commands.dispatch",
            "perfrun.commands.train", "perfrun.loop.run")
 
@@ -66,7 +72,14 @@ class Server:
     def serves(self, env: dict[str, str]) -> bool:
         """Whether a child with ``env`` behaves as a fresh interpreter with it would."""
         keys = set(env) | set(self.env)
-        return self.silent and all(env.get(k) == self.env.get(k) for k in keys - RUNTIME_ENV)
+        return self.silent and all(env.get(k) == self.env.get(k) for k in keys - RUNTIME_ENV - RANK_ENV)
+
+    @classmethod
+    def attach(cls, path: str, env: dict[str, str]) -> Server:
+        """The server of the process that forked this one, as its children reach it."""
+        server = cls.__new__(cls)
+        server.path, server.env, server.silent = path, env, True
+        return server
 
     def close(self) -> None:
         os.close(self.alive)
@@ -89,13 +102,14 @@ class WarmProcess:
 
     def __init__(self, server: Server, args: list[str], *, cwd: Path | str, env: dict[str, str],
                  stdin: Any = None, stdout: Any = None, stderr: Any = None, text: bool = False,
-                 module: str = "perfrun") -> None:
+                 module: str = "perfrun", unbuffered: bool = False, new_session: bool = False) -> None:
         self.args = [sys.executable, "-m", module, *args]
         self.returncode: int | None = None
         ends = [_fd(stdin, 0), _fd(stdout, 1), _fd(stderr, 2)]
         self.stdin = None
         self.stdout, self.stderr = (self._reader(read, text) for _, read in ends[1:])
-        request = json.dumps({"module": module, "args": args, "cwd": str(cwd), "env": env}).encode()
+        request = json.dumps({"module": module, "args": args, "cwd": str(cwd), "env": env, "unbuffered": unbuffered,
+                              "new_session": new_session}).encode()
         self.conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.conn.connect(server.path)
         socket.send_fds(self.conn, [len(request).to_bytes(8, "big") + request], [fd for fd, _ in ends])
@@ -218,6 +232,23 @@ def _serve(path: str, alive: int) -> tuple[dict[str, Any], list[int]] | None:
     return None
 
 
+def _ranks_forked_here(path: str, env: dict[str, str]) -> None:
+    """torchrun's ranks (``python -u -m perfrun ...``, each in a session of its own) forked from
+    this server too, where their environment is the server's but for what torchrun sets."""
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
+
+    fresh = subprocess_handler.SubprocessHandler._popen
+
+    def popen(handler: Any, args: tuple[str, ...], rank_env: dict[str, str]) -> Any:
+        server = Server.attach(path, env)
+        if list(args[:4]) != [sys.executable, "-u", "-m", "perfrun"] or not server.serves(rank_env):
+            return fresh(handler, args, rank_env)
+        return WarmProcess(server, list(args[4:]), cwd=os.getcwd(), env=rank_env, stdout=handler._stdout,
+                           stderr=handler._stderr, unbuffered=True, new_session=True)
+
+    subprocess_handler.SubprocessHandler._popen = popen
+
+
 def _stdio(fd: int, write: bool, unbuffered: bool, errors: str) -> io.TextIOWrapper:
     """A standard stream over ``fd`` as a fresh interpreter makes it (line-buffered on a
     terminal and for stderr, unbuffered under PYTHONUNBUFFERED)."""
@@ -235,10 +266,12 @@ def _become(request: dict[str, Any], fds: list[int]) -> None:
         os.dup2(fd, target)
     for fd in set(fds) - {0, 1, 2}:
         os.close(fd)
+    if request["new_session"]:  # as Popen(start_new_session=True)
+        os.setsid()
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
-    unbuffered = bool(os.environ.get("PYTHONUNBUFFERED"))
+    unbuffered = request["unbuffered"] or bool(os.environ.get("PYTHONUNBUFFERED"))  # python -u, or the setting
     sys.stdin = sys.__stdin__ = _stdio(0, False, unbuffered, sys.stdin.errors)
     sys.stdout = sys.__stdout__ = _stdio(1, True, unbuffered, sys.stdout.errors)
     sys.stderr = sys.__stderr__ = _stdio(2, True, unbuffered, sys.stderr.errors)
@@ -254,6 +287,7 @@ if __name__ == "__main__":
 
     for name in PRELOAD:
         importlib.import_module(name)
+    _ranks_forked_here(sys.argv[1], dict(os.environ))
     gc.collect()
     gc.freeze()  # what the imports made stays out of each child's collections (see conftest)
     served = _serve(sys.argv[1], int(sys.argv[2]))
