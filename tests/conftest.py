@@ -219,6 +219,9 @@ def _warm_interpreter(_cache_dir: None, _one_thread_per_process: None) -> Iterat
         _warm.append(Server(Path(tempfile.mkdtemp(prefix="perfrun-warm-")), {**os.environ, "PYTHONPATH": _pythonpath()}))
     except RuntimeError as e:  # the commands then start fresh interpreters, as they would without it
         warnings.warn(f"{e}: every perfrun process of this test process starts a fresh interpreter", stacklevel=1)
+    if _warm and not _warm[0].silent:
+        warnings.warn(f"the warm interpreter's imports printed {_warm[0].printed!r}: every perfrun process of this test "
+                      "process starts a fresh interpreter, which prints it too", stacklevel=1)
     yield
     for server in _warm:
         server.close()
@@ -242,7 +245,12 @@ def perfrun_process(*args: str, cwd: Path | str, env: dict[str, str] | None = No
 def run_cli(*args: str, cwd: Path, timeout: float = 240, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """``perfrun ARGS`` in a real subprocess, as a user runs it."""
     full_env = {**os.environ, "PYTHONPATH": _pythonpath(), "COLUMNS": "200", **(env or {})}
-    proc = perfrun_process(*args, cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return _completed(perfrun_process(*args, cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True), timeout)
+
+
+def _completed(proc: Any, timeout: float) -> subprocess.CompletedProcess:
+    """What ``subprocess.run`` returns for ``proc``, its output piped: killed at the timeout."""
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -255,7 +263,7 @@ def run_cli(*args: str, cwd: Path, timeout: float = 240, env: dict[str, str] | N
 def launch(*args: str, cwd: Path) -> int:
     """``perfrun ARGS`` with the launcher in this process (a process start fewer than
     :func:`run_cli`): what it starts, torchrun and its ranks, are real processes that import
-    this checkout (torchrun's own process forked from the warm interpreter). Its exit code."""
+    this checkout (torchrun and its ranks forked from the warm interpreter). Its exit code."""
     from perfrun.commands.dispatch import main as cli_main
 
     popen = subprocess.Popen
@@ -292,12 +300,11 @@ def wait_for(predicate: Any, timeout: float = 120) -> None:
 
 def torchrun(cwd: Path, *args: str, nproc: int = 2) -> subprocess.CompletedProcess:
     """``torchrun --nproc_per_node=N -m perfrun train ARGS``, as a user starts it by hand
-    (torchrun's own process forked from the warm interpreter; its ranks fresh ones)."""
+    (torchrun and its ranks forked from the warm interpreter)."""
     env = {**os.environ, "PYTHONPATH": _pythonpath(), "COLUMNS": "200"}
-    proc = perfrun_process("--standalone", f"--nproc_per_node={nproc}", "-m", "perfrun", "train", *args, cwd=cwd, env=env,
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, module="torch.distributed.run")
-    out, err = proc.communicate(timeout=120)
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    return _completed(perfrun_process("--standalone", f"--nproc_per_node={nproc}", "-m", "perfrun", "train", *args,
+                                      cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      module="torch.distributed.run"), 120)
 
 
 def losses(run_dir: Path) -> dict[int, float]:

@@ -37,13 +37,17 @@ def test_a_command_under_the_sessions_environment_is_a_warm_child(server: confte
 
 
 def test_a_warm_child_has_its_own_directory_environment_and_signals(server: conftest.Server, tmp_path: Path) -> None:
-    """``perfrun train --cfg job`` prints the configuration composed in its own working
-    directory; a child stopped by a signal reports it as Popen does (minus the signal)."""
+    """Hydra records the working directory of ``perfrun train --cfg hydra``; a child sees the
+    environment it was given; a child stopped by a signal reports it as Popen does (minus
+    the signal)."""
     (tmp_path / "here").mkdir()
-    p = perfrun_process("train", "--cfg", "job", "seed=7", cwd=tmp_path / "here", env={**server.env, "COLUMNS": "123"},
+    p = perfrun_process("train", "--cfg", "hydra", "seed=7", cwd=tmp_path / "here", env=server.env,
                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     out, _ = p.communicate(timeout=120)
-    assert isinstance(p, WarmProcess) and p.returncode == 0 and "seed: 7" in out
+    assert isinstance(p, WarmProcess) and p.returncode == 0 and f"cwd: {tmp_path / 'here'}" in out
+    seen = perfrun_process("-n", "1", "-r", "1", "print(__import__('os').environ['COLUMNS'])", cwd=tmp_path,
+                           env={**server.env, "COLUMNS": "123"}, stdout=subprocess.PIPE, text=True, module="timeit")
+    assert isinstance(seen, WarmProcess) and seen.communicate(timeout=60)[0].splitlines()[0] == "123"
     sleeper = perfrun_process("-n", "1", "-r", "1", "import time; time.sleep(120)", cwd=tmp_path, env=server.env,
                               stdout=subprocess.DEVNULL, module="timeit")  # python -m timeit: a child that waits
     assert isinstance(sleeper, WarmProcess) and sleeper.poll() is None

@@ -1,5 +1,5 @@
 """``python -m MODULE ARGS`` processes for the tests (perfrun, its torchrun launcher,
-torchrun), forked from a warm interpreter.
+torchrun and torchrun's ranks), forked from a warm interpreter.
 
 A fresh interpreter spends 4-6 s on 2 cores importing torch, dynamo and Hydra before perfrun
 reads its command line; the suite starts a few dozen. This module runs a server process that
@@ -13,7 +13,8 @@ What a fresh interpreter reads before running any code (``PYTHON*`` settings, ``
 read: a command whose environment differs from the server's in anything but the runtime
 settings below starts a fresh interpreter, as before.
 
-Run as a script, this file is the server: ``python warm_processes.py SOCKET``.
+Run as a script, this file is the server: ``python warm_processes.py SOCKET ALIVE_FD`` (it
+ends when the pipe ``ALIVE_FD`` reads is closed).
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ class Server:
             time.sleep(0.01)
         # a fresh interpreter prints what its imports print (a warning, say) before perfrun's
         # own output: where the warm one's imports printed anything, its children would not
-        self.silent = log.stat().st_size == 0
+        self.printed = log.read_text()
+        self.silent = not self.printed
 
     def serves(self, env: dict[str, str]) -> bool:
         """Whether a child with ``env`` behaves as a fresh interpreter with it would."""
@@ -103,6 +105,8 @@ class WarmProcess:
     def __init__(self, server: Server, args: list[str], *, cwd: Path | str, env: dict[str, str],
                  stdin: Any = None, stdout: Any = None, stderr: Any = None, text: bool = False,
                  module: str = "perfrun", unbuffered: bool = False, new_session: bool = False) -> None:
+        if stdin is subprocess.PIPE:
+            raise ValueError("a warm process reads no pipe from here: give stdin a file, a descriptor or nothing")
         self.args = [sys.executable, "-m", module, *args]
         self.returncode: int | None = None
         ends = [_fd(stdin, 0), _fd(stdout, 1), _fd(stderr, 2)]
@@ -238,9 +242,9 @@ def _ranks_forked_here(path: str, env: dict[str, str]) -> None:
     from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
 
     fresh = subprocess_handler.SubprocessHandler._popen
+    server = Server.attach(path, env)
 
     def popen(handler: Any, args: tuple[str, ...], rank_env: dict[str, str]) -> Any:
-        server = Server.attach(path, env)
         if list(args[:4]) != [sys.executable, "-u", "-m", "perfrun"] or not server.serves(rank_env):
             return fresh(handler, args, rank_env)
         return WarmProcess(server, list(args[4:]), cwd=os.getcwd(), env=rank_env, stdout=handler._stdout,
@@ -261,7 +265,7 @@ def _stdio(fd: int, write: bool, unbuffered: bool, errors: str) -> io.TextIOWrap
 
 
 def _become(request: dict[str, Any], fds: list[int]) -> None:
-    """This child, made the process ``python -m perfrun ARGS`` would be."""
+    """This child, made the process ``python -m MODULE ARGS`` would be."""
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
     for fd in set(fds) - {0, 1, 2}:
