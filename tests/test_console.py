@@ -87,8 +87,13 @@ def test_the_reporter_waits_for_the_monitor_sample_of_its_step(caplog: pytest.Lo
 def test_a_piped_run_prints_timed_lines_that_fit_and_says_where_its_files_are(
         tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     """In this process, its output a captured file descriptor, which is not a terminal, as a
-    pipe is not (the pseudo-terminal's real process is the test below)."""
+    pipe is not (the pseudo-terminal's real process is the test below). The run gets a
+    console of its own, as a process does: rich's shared one, made earlier in this test
+    process, keeps the width it was made with."""
+    import rich
+
     monkeypatch.setenv("COLUMNS", "80")
+    monkeypatch.setattr(rich, "_console", None)
     with kept_logging():
         code = launch("train", *TINY, "progress=auto", "monitor.every_n_steps=5", cwd=tmp_path)
     r = capfd.readouterr()
