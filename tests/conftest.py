@@ -26,7 +26,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import ConfigCompositionException
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
-from warm_processes import Server, WarmProcess
+from warm_processes import Server, WarmProcess, launchers_forked
 
 from perfrun.config import TrainConfig, config_dir, register_configs, typed
 
@@ -266,17 +266,11 @@ def launch(*args: str, cwd: Path) -> int:
     this checkout (torchrun and its ranks forked from the warm interpreter). Its exit code."""
     from perfrun.commands.dispatch import main as cli_main
 
-    popen = subprocess.Popen
-
-    def torchrun_warm(cmd: Any, *rest: Any, **kw: Any) -> Any:
-        if rest or set(kw) - {"stdout"} or list(cmd[:3]) != [sys.executable, "-m", "perfrun.commands.launch"]:
-            return popen(cmd, *rest, **kw)
-        return perfrun_process(*cmd[3:], cwd=os.getcwd(), env=dict(os.environ), stdout=kw.get("stdout"), module=cmd[2])
-
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(cwd)
         mp.setenv("PYTHONPATH", _pythonpath())
-        mp.setattr(subprocess, "Popen", torchrun_warm)
+        if _warm:
+            mp.setattr(subprocess, "Popen", launchers_forked(_warm[0], subprocess.Popen))
         try:
             return cli_main(list(args))
         except SystemExit as e:  # Hydra's app exits through SystemExit

@@ -66,3 +66,15 @@ def test_settings_read_at_start_up_get_a_fresh_interpreter(server: conftest.Serv
                             stdout=subprocess.PIPE, text=True)
     assert isinstance(fresh, subprocess.Popen) and fresh.communicate(timeout=60)[0].startswith("perfrun ")
     assert fresh.args[:3] == [sys.executable, "-m", "perfrun"]
+
+
+def test_the_launcher_a_warm_child_starts_is_forked_too(server: conftest.Server, tmp_path: Path) -> None:
+    """``perfrun train nproc=2`` starts ``python -m perfrun.commands.launch`` (its torchrun) with
+    subprocess.Popen: in a warm child that is a warm child as well; any other command is not."""
+    code = ("import subprocess, sys; "
+            "p = subprocess.Popen([sys.executable, '-m', 'perfrun.commands.launch', '--help'], stdout=subprocess.DEVNULL); "
+            "q = subprocess.Popen([sys.executable, '-c', 'pass']); "
+            "print(type(p).__name__, p.wait(), type(q).__name__, q.wait())")
+    seen = perfrun_process("-n", "1", "-r", "1", code, cwd=tmp_path, env=server.env, stdout=subprocess.PIPE,
+                           text=True, module="timeit")
+    assert seen.communicate(timeout=120)[0].splitlines()[0] == "WarmProcess 0 Popen 0"

@@ -1,5 +1,6 @@
 """``python -m MODULE ARGS`` processes for the tests (perfrun, its torchrun launcher,
-torchrun and torchrun's ranks), forked from a warm interpreter.
+torchrun and torchrun's ranks), forked from a warm interpreter; the launcher and the ranks
+that a forked perfrun starts are forked too.
 
 A fresh interpreter spends 4-6 s on 2 cores importing torch, dynamo and Hydra before perfrun
 reads its command line; the suite starts a few dozen. This module runs a server process that
@@ -253,6 +254,25 @@ def _ranks_forked_here(path: str, env: dict[str, str]) -> None:
     subprocess_handler.SubprocessHandler._popen = popen
 
 
+# the launchers perfrun starts with subprocess.Popen (run_torchrun's), forked where allowed
+LAUNCHERS = ("perfrun.commands.launch",)
+
+
+def launchers_forked(server: Server, popen: Any) -> Any:
+    """``subprocess.Popen`` in which ``python -m perfrun.commands.launch ...`` (perfrun's torchrun,
+    started as run_torchrun starts it: the list, at most ``stdout``, this process's working
+    directory and environment) is forked from ``server`` where the environment allows it;
+    every other command goes to ``popen``."""
+    def start(cmd: Any, *rest: Any, **kw: Any) -> Any:
+        env = dict(os.environ)
+        if (rest or set(kw) - {"stdout"} or not isinstance(cmd, list) or len(cmd) < 3
+                or cmd[:2] != [sys.executable, "-m"] or cmd[2] not in LAUNCHERS or not server.serves(env)):
+            return popen(cmd, *rest, **kw)
+        return WarmProcess(server, list(cmd[3:]), cwd=os.getcwd(), env=env, stdout=kw.get("stdout"), module=cmd[2])
+
+    return start
+
+
 def _stdio(fd: int, write: bool, unbuffered: bool, errors: str) -> io.TextIOWrapper:
     """A standard stream over ``fd`` as a fresh interpreter makes it (line-buffered on a
     terminal and for stderr, unbuffered under PYTHONUNBUFFERED)."""
@@ -292,6 +312,7 @@ if __name__ == "__main__":
     for name in PRELOAD:
         importlib.import_module(name)
     _ranks_forked_here(sys.argv[1], dict(os.environ))
+    subprocess.Popen = launchers_forked(Server.attach(sys.argv[1], dict(os.environ)), subprocess.Popen)  # type: ignore[misc]
     gc.collect()
     gc.freeze()  # what the imports made stays out of each child's collections (see conftest)
     served = _serve(sys.argv[1], int(sys.argv[2]))
