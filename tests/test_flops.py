@@ -54,6 +54,37 @@ def test_the_count_does_not_depend_on_the_device() -> None:
     assert counted_flops_per_token(cpu, x, x) == counted_flops_per_token(meta, x.to("meta"), x.to("meta"))
 
 
+def test_one_configuration_of_perfruns_models_is_counted_once_per_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The jobs of a sweep share their model: its second count is the first's, with no pass;
+    another configuration, another input shape or a user's model is counted again."""
+    from perfrun.models import flops
+
+    config = GPTConfig(vocab_size=256, block_size=32, n_layer=1, n_head=2, n_embd=48)
+    x = _batch(256, 32)
+    first = counted_flops_per_token(GPT(config), x, x)
+    passes: list[int] = []
+    count = flops._count
+    monkeypatch.setattr(flops, "_count", lambda *a: passes.append(1) or count(*a))
+    assert counted_flops_per_token(GPT(config), x, x) == first and passes == []
+    wider = counted_flops_per_token(GPT(GPTConfig(vocab_size=256, block_size=32, n_layer=1, n_head=2, n_embd=64)), x, x)
+    longer = counted_flops_per_token(GPT(config), x[:, :16], x[:, :16])
+    assert passes == [1, 1] and wider > first and longer != first
+    lm = _UserLM(config)  # a config is not enough: a user's forward may read more than it shows
+    counted_flops_per_token(lm, x, x)
+    counted_flops_per_token(lm, x, x)
+    assert passes == [1, 1, 1, 1]
+
+
+class _UserLM(torch.nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.net, self.config = torch.nn.Sequential(torch.nn.Embedding(256, 16), torch.nn.Linear(16, 256)), config
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.net(idx)
+        return logits, torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
 def test_a_run_logs_both_figures_and_records_which_one_mfu_used(tmp_path: Path, one_thread: None,
                                                                   caplog: pytest.LogCaptureFixture) -> None:
     from perfrun.loop.run import run

@@ -273,6 +273,24 @@ def launchers_forked(server: Server, popen: Any) -> Any:
     return start
 
 
+def _warm_caches() -> None:
+    """One FLOP count of a tiny GPT, as each run's setup makes one: the first count in a
+    process fills torch's fake-tensor caches (0.2-0.3 s on 2 cores), here once for every
+    child. Nothing a run reads is left changed: the random state is put back and the count
+    itself forgotten."""
+    import torch
+
+    from perfrun.models import flops
+    from perfrun.models.gpt import GPT, GPTConfig
+
+    rng = torch.random.get_rng_state()
+    tokens = torch.zeros(1, 16, dtype=torch.long)
+    flops.counted_flops_per_token(GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=1, n_embd=16)),
+                                  tokens, tokens)
+    flops._counted.clear()
+    torch.random.set_rng_state(rng)
+
+
 def _stdio(fd: int, write: bool, unbuffered: bool, errors: str) -> io.TextIOWrapper:
     """A standard stream over ``fd`` as a fresh interpreter makes it (line-buffered on a
     terminal and for stderr, unbuffered under PYTHONUNBUFFERED)."""
@@ -312,6 +330,7 @@ if __name__ == "__main__":
     for name in PRELOAD:
         importlib.import_module(name)
     _ranks_forked_here(sys.argv[1], dict(os.environ))
+    _warm_caches()
     subprocess.Popen = launchers_forked(Server.attach(sys.argv[1], dict(os.environ)), subprocess.Popen)  # type: ignore[misc]
     gc.collect()
     gc.freeze()  # what the imports made stays out of each child's collections (see conftest)
