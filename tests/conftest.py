@@ -242,11 +242,12 @@ def perfrun_process(*args: str, cwd: Path | str, env: dict[str, str] | None = No
                             stderr=stderr, text=text)
 
 
-def run_cli(*args: str, cwd: Path, timeout: float = 240, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """``perfrun ARGS`` in a real subprocess, as a user runs it."""
+def run_cli(*args: str, cwd: Path, timeout: float = 240, env: dict[str, str] | None = None,
+            module: str = "perfrun") -> subprocess.CompletedProcess:
+    """``perfrun ARGS`` (``python -m MODULE ARGS``) in a real subprocess, as a user runs it."""
     full_env = {**os.environ, "PYTHONPATH": _pythonpath(), "COLUMNS": "200", **(env or {})}
     return _completed(perfrun_process(*args, cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True), timeout)
+                                      text=True, module=module), timeout)
 
 
 def _completed(proc: Any, timeout: float) -> subprocess.CompletedProcess:

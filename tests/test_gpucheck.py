@@ -7,7 +7,6 @@ import copy
 import io
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -33,9 +32,9 @@ from perfrun.telemetry import nvml as nvml_mod
 
 sys.path.insert(0, str(Path(__file__).parent))
 import fake_nvml  # noqa: E402
+from conftest import run_cli  # noqa: E402
 from fake_nvml import FakeGpu, FakeNvml  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
 UUID = "GPU-aaaaaaaa-1111-2222-3333-444444444444"
 
 HEALTHY_GPU = {
@@ -376,11 +375,8 @@ def test_bad_device_argument(capsys):
 
 
 def test_gpu_check_quick_json_for_real(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PERFRUN_CACHE": str(tmp_path / "cache")}
-    proc = subprocess.run(
-        [sys.executable, "-m", "perfrun.gpucheck", "--quick", "--json"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
-    )
+    proc = run_cli("--quick", "--json", cwd=tmp_path, env={"PERFRUN_CACHE": str(tmp_path / "cache")}, timeout=120,
+                   module="perfrun.gpucheck")
     doc = json.loads(proc.stdout)  # stdout is exactly one JSON document
     assert set(doc) >= {"software", "host", "cuda", "gpus", "capabilities", "measurements", "checks", "summary",
                         "exit_code", "verdict"}

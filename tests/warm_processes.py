@@ -34,11 +34,14 @@ from typing import IO, Any
 
 # read by perfrun, Hydra, rich or torch while they run, never at import: a child may have its
 # own. PYTEST_CURRENT_TEST: set by pytest for each test, read by none of them;
-# TORCHINDUCTOR_CACHE_DIR: set in this process by torch once it looks for its cache, read
-# by torch each time it does.
+# set in this process while a test runs, and so passed on to every command started after it:
+# TORCHINDUCTOR_CACHE_DIR by torch once it looks for its cache (read each time it does),
+# _TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR by inductor around a compiled CPU kernel's call
+# (read by that call), KINETO_LOG_LEVEL by perfrun's memory breakdown before the profiler's
+# first start (read when the profiler starts, which the warm interpreter never does).
 RUNTIME_ENV = frozenset({"COLUMNS", "LINES", "TERM", "NO_COLOR", "FORCE_COLOR", "COMP_LINE", "COMP_POINT",
                          "HYDRA_FULL_ERROR", "PYTHONUNBUFFERED", "PERFRUN_CACHE", "PYTEST_CURRENT_TEST",
-                         "TORCHINDUCTOR_CACHE_DIR"})
+                         "TORCHINDUCTOR_CACHE_DIR", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR", "KINETO_LOG_LEVEL"})
 # set by torchrun for each of its ranks (or in its own process, which they inherit), read by
 # torch.distributed and perfrun when a rank joins its group
 RANK_ENV = frozenset({"RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE", "WORLD_SIZE",

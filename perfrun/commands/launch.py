@@ -60,12 +60,25 @@ def hydra_node(args: list[str]) -> DictConfig:
 
     register_configs()
     plain = [a for a in args if not a.startswith("-")]
+    hydra_only = [a for a in plain if a.startswith("hydra.")]
     with initialize_config_dir(config_dir=config_dir(), version_base="1.3", job_name="train"):
+        if _sweeps(plain):  # a sweep's a=1,2 does not compose: no need to try
+            return compose("train", overrides=hydra_only, return_hydra_config=True).hydra
         try:
             cfg = compose("train", overrides=plain, return_hydra_config=True)
-        except Exception:  # noqa: BLE001 - a sweep's a=1,2 does not compose; the dirs need only hydra.*
-            cfg = compose("train", overrides=[a for a in plain if a.startswith("hydra.")], return_hydra_config=True)
+        except Exception:  # noqa: BLE001 - the line does not compose; the dirs need only hydra.*
+            cfg = compose("train", overrides=hydra_only, return_hydra_config=True)
         return cfg.hydra
+
+
+def _sweeps(overrides: list[str]) -> bool:
+    """Whether an override sweeps (a=1,2, range(...), ...), which no single composition takes."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        return any(o.is_sweep_override() for o in OverridesParser.create().parse_overrides(overrides))
+    except Exception:  # noqa: BLE001 - an override Hydra cannot read: the composition says so
+        return False
 
 
 def hydra_dirs(args: list[str]) -> tuple[str, str]:
