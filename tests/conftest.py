@@ -208,6 +208,12 @@ def _pythonpath() -> str:
     return os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
 
 
+def child_env(**settings: str) -> dict[str, str]:
+    """This process's environment for a command it starts, with this checkout first on
+    PYTHONPATH (as the warm interpreter has it) and ``settings`` added."""
+    return {**os.environ, "PYTHONPATH": _pythonpath(), **settings}
+
+
 _warm: list[Server] = []  # this test process's warm interpreter
 
 

@@ -24,7 +24,7 @@ from perfrun.prepare import build
 from perfrun.prepare import corpus as prepare_corpus
 from perfrun.prepare.corpus import PIECE_BYTES, Settings, is_val
 
-from conftest import REPO, perfrun_process, wait_for
+from conftest import child_env, perfrun_process, wait_for
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 SOURCES = ["textwrap.py", "colorsys.py", "this.py", "bisect.py", "keyword.py", "fnmatch.py", "glob.py",
@@ -190,7 +190,7 @@ def test_out_is_new_empty_or_an_earlier_prepare(corpus: Path, tmp_path: Path, ca
 
 
 def _start(*args: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    env = child_env(PYTHONUNBUFFERED="1")
     return perfrun_process("prepare", "progress=false", *args, cwd=Path.cwd(), env=env, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True)
 

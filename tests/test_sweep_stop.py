@@ -5,7 +5,6 @@ command that the stop and ``perfrun report`` print runs only what is missing."""
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import signal
 from pathlib import Path
@@ -16,7 +15,7 @@ from perfrun.commands.report import main as report_main
 from perfrun.commands.tune import kept_logging
 from perfrun.report import load
 
-from conftest import REPO, TINY, launch, perfrun_process, wait_for
+from conftest import TINY, child_env, launch, perfrun_process, wait_for
 
 QUICK = [o for o in TINY if not o.startswith("max_steps")] + ["max_steps=40", "log_every=1"]
 
@@ -30,7 +29,7 @@ def test_sigterm_mid_sweep_keeps_the_finished_job_and_resume_runs_only_the_rest(
         tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     sweep = tmp_path / "sweep"
     log = tmp_path / "sweep.log"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
+    env = child_env(PYTHONUNBUFFERED="1", COLUMNS="200")
     with log.open("w") as out:  # a file, not a pipe: a full pipe would stop the sweep
         proc = perfrun_process("train", "-m", "seed=1,2", *QUICK, f"hydra.sweep.dir={sweep}", cwd=tmp_path, env=env,
                                stdout=out, stderr=out)
