@@ -16,19 +16,19 @@ import warnings
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
-import torch
-from hydra import compose, initialize_config_dir
-from hydra._internal.config_loader_impl import ConfigLoaderImpl
-from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.errors import ConfigCompositionException
-from omegaconf import DictConfig
-from omegaconf.errors import OmegaConfBaseException
 from warm_processes import Server, WarmProcess, launchers_forked
 
-from perfrun.config import TrainConfig, config_dir, register_configs, typed
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+    from perfrun.config import TrainConfig
+
+# torch, Hydra and perfrun are imported by what uses them, not here: under pytest -n the
+# process that hands tests to the workers runs none of it, and the workers start ~2.5 s
+# sooner (on 2 cores) when it has not imported torch first.
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -79,6 +79,8 @@ def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
     rank = {name: k for k, name in enumerate(SLOW_FIRST)}
     tests = Counter(_file(item) for item in items)
     items.sort(key=lambda item: (rank.get(_file(item), len(rank)), -tests[_file(item)], _file(item)))  # stable
+    import torch
+
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
@@ -99,6 +101,8 @@ def _one_thread_per_process() -> Iterator[None]:
     run fastest so, and two test workers on 2 cores (``pytest -n 2``) would otherwise make
     twice as many OpenMP threads spin against each other (up to 100x slower). A caller's own
     OMP_NUM_THREADS is kept."""
+    import torch
+
     before, env = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
     torch.set_num_threads(int(env or 1))
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # run_cli, start_train, torchrun and their ranks
@@ -113,6 +117,8 @@ def _no_compiled_code_between_files() -> Iterator[None]:
     """What a test file compiles stays in that file: tests that check a job leaves torch's
     global state as it found it must not see another file's compiled frames."""
     yield
+    import torch._dynamo
+
     torch._dynamo.reset()
 
 
@@ -135,6 +141,8 @@ def one_thread() -> Iterator[None]:
     (a parallel test run) makes two OpenMP threads spin against it (100x slower). The
     session already runs on one thread (``_one_thread_per_process``); this keeps a module
     on one even where the caller's OMP_NUM_THREADS asks for more."""
+    import torch
+
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -166,19 +174,27 @@ def text_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return checkpoint_files.list_checkpoints(folder / "checkpoints")[-1]
 
 
-# conf/'s config groups: an override of one of these picks a file of the defaults list; any
-# other override sets a value of the composed configuration
-GROUPS = frozenset(p.name for p in Path(config_dir()).iterdir() if p.is_dir())
+@functools.cache
+def _groups() -> frozenset[str]:
+    """conf/'s config groups: an override of one of these picks a file of the defaults list;
+    any other override sets a value of the composed configuration."""
+    from perfrun.config import config_dir
+
+    return frozenset(p.name for p in Path(config_dir()).iterdir() if p.is_dir())
 
 
 def picks_a_file(override: str) -> bool:
     key = override.split("=", 1)[0].lstrip("+~")
-    return "/" in key or key in GROUPS or key.startswith("hydra")
+    return "/" in key or key in _groups() or key.startswith("hydra")
 
 
 @functools.cache
 def _composed(choices: tuple[str, ...]) -> DictConfig:
     """train.yaml composed by Hydra with these group choices and no other override."""
+    from hydra import compose, initialize_config_dir
+
+    from perfrun.config import config_dir, register_configs
+
     register_configs()
     with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
         return compose("train", overrides=list(choices))
@@ -192,6 +208,13 @@ def make_cfg(*overrides: str, tiny: bool = True) -> TrainConfig:
     choices in a test process (a compose takes ~0.2 s on 2 cores; the suite makes ~500), the
     second is Hydra's own code on a copy of it. test_compose_once.py holds the result equal
     to a whole compose."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import ConfigCompositionException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from perfrun.config import typed
+
     given = (TINY if tiny else []) + list(overrides)
     cfg = copy.deepcopy(_composed(tuple(o for o in given if picks_a_file(o))))
     values = OverridesParser.create().parse_overrides([o for o in given if not picks_a_file(o)])
