@@ -245,7 +245,7 @@ def _warm_interpreter(_cache_dir: None, _one_thread_per_process: None) -> Iterat
     """Started with the session's environment (its cache, one thread), before any test
     changes it: a command run with that environment is forked from it."""
     try:
-        _warm.append(Server(Path(tempfile.mkdtemp(prefix="perfrun-warm-")), {**os.environ, "PYTHONPATH": _pythonpath()}))
+        _warm.append(Server(Path(tempfile.mkdtemp(prefix="perfrun-warm-")), child_env()))
     except RuntimeError as e:  # the commands then start fresh interpreters, as they would without it
         warnings.warn(f"{e}: every perfrun process of this test process starts a fresh interpreter", stacklevel=1)
     if _warm and not _warm[0].silent:
@@ -263,7 +263,7 @@ def perfrun_process(*args: str, cwd: Path | str, env: dict[str, str] | None = No
     ``subprocess.Popen`` starts it; ``env``: the whole environment (by default this process's,
     with this checkout first on PYTHONPATH). Forked from a warm interpreter where the
     environment allows it (:mod:`warm_processes`), else a fresh one."""
-    env = {**os.environ, "PYTHONPATH": _pythonpath()} if env is None else env
+    env = child_env() if env is None else env
     if _warm and _warm[0].serves(env):
         return WarmProcess(_warm[0], list(args), cwd=cwd, env=env, stdin=stdin, stdout=stdout, stderr=stderr,
                            text=text, module=module)
@@ -274,7 +274,7 @@ def perfrun_process(*args: str, cwd: Path | str, env: dict[str, str] | None = No
 def run_cli(*args: str, cwd: Path, timeout: float = 240, env: dict[str, str] | None = None,
             module: str = "perfrun") -> subprocess.CompletedProcess:
     """``perfrun ARGS`` (``python -m MODULE ARGS``) in a real subprocess, as a user runs it."""
-    full_env = {**os.environ, "PYTHONPATH": _pythonpath(), "COLUMNS": "200", **(env or {})}
+    full_env = {**child_env(COLUMNS="200"), **(env or {})}
     return _completed(perfrun_process(*args, cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True, module=module), timeout)
 
@@ -309,7 +309,7 @@ def launch(*args: str, cwd: Path) -> int:
 
 def start_train(cwd: Path, *args: str) -> Any:
     """``perfrun train args`` as a separate process, its output piped, for a test to signal or kill."""
-    env = {**os.environ, "PYTHONPATH": _pythonpath(), "PYTHONUNBUFFERED": "1"}
+    env = child_env(PYTHONUNBUFFERED="1")
     return perfrun_process("train", *args, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -325,7 +325,7 @@ def wait_for(predicate: Any, timeout: float = 120) -> None:
 def torchrun(cwd: Path, *args: str, nproc: int = 2) -> subprocess.CompletedProcess:
     """``torchrun --nproc_per_node=N -m perfrun train ARGS``, as a user starts it by hand
     (torchrun and its ranks forked from the warm interpreter)."""
-    env = {**os.environ, "PYTHONPATH": _pythonpath(), "COLUMNS": "200"}
+    env = child_env(COLUMNS="200")
     return _completed(perfrun_process("--standalone", f"--nproc_per_node={nproc}", "-m", "perfrun", "train", *args,
                                       cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                       module="torch.distributed.run"), 120)

@@ -21,7 +21,7 @@ from perfrun.commands.tune import kept_logging
 from perfrun.telemetry import sinks
 from perfrun.telemetry.sinks import TIME_WIDTH, ConsoleReporter, gpu_parts, step_line
 
-from conftest import REPO, TINY, launch, perfrun_process
+from conftest import TINY, child_env, launch, perfrun_process
 
 TIMED = re.compile(r"^\d\d:\d\d:\d\d \S")  # "06:12:01 message"
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07")
@@ -116,8 +116,7 @@ def test_on_an_80_column_terminal_each_log_point_is_one_line(tmp_path: Path) -> 
     line stays on one line (rich would wrap a longer one under its time column)."""
     master, slave = pty.openpty()
     ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 80, 0, 0))
-    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
-    env.update(PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p), TERM="xterm-256color")
+    env = {k: v for k, v in child_env(TERM="xterm-256color").items() if k not in ("COLUMNS", "LINES")}
     args = [a for a in TINY if not a.startswith("progress=")]
     proc = perfrun_process("train", *args, "progress=auto", cwd=tmp_path, env=env, stdin=slave, stdout=slave,
                            stderr=slave)

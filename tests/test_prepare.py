@@ -189,7 +189,7 @@ def test_out_is_new_empty_or_an_earlier_prepare(corpus: Path, tmp_path: Path, ca
     assert "is empty" in capfd.readouterr().err and not (tmp_path / "new").exists()
 
 
-def _start(*args: str) -> subprocess.Popen:
+def _start(*args: str) -> Any:
     env = child_env(PYTHONUNBUFFERED="1")
     return perfrun_process("prepare", "progress=false", *args, cwd=Path.cwd(), env=env, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True)

@@ -240,13 +240,12 @@ def _serve(path: str, alive: int) -> tuple[dict[str, Any], list[int]] | None:
     return None
 
 
-def _ranks_forked_here(path: str, env: dict[str, str]) -> None:
+def _ranks_forked_here(server: Server) -> None:
     """torchrun's ranks (``python -u -m perfrun ...``, each in a session of its own) forked from
     this server too, where their environment is the server's but for what torchrun sets."""
     from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
 
     fresh = subprocess_handler.SubprocessHandler._popen
-    server = Server.attach(path, env)
 
     def popen(handler: Any, args: tuple[str, ...], rank_env: dict[str, str]) -> Any:
         if list(args[:4]) != [sys.executable, "-u", "-m", "perfrun"] or not server.serves(rank_env):
@@ -274,24 +273,6 @@ def launchers_forked(server: Server, popen: Any) -> Any:
         return WarmProcess(server, list(cmd[3:]), cwd=os.getcwd(), env=env, stdout=kw.get("stdout"), module=cmd[2])
 
     return start
-
-
-def _warm_caches() -> None:
-    """One FLOP count of a tiny GPT, as each run's setup makes one: the first count in a
-    process fills torch's fake-tensor caches (0.2-0.3 s on 2 cores), here once for every
-    child. Nothing a run reads is left changed: the random state is put back and the count
-    itself forgotten."""
-    import torch
-
-    from perfrun.models import flops
-    from perfrun.models.gpt import GPT, GPTConfig
-
-    rng = torch.random.get_rng_state()
-    tokens = torch.zeros(1, 16, dtype=torch.long)
-    flops.counted_flops_per_token(GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=1, n_embd=16)),
-                                  tokens, tokens)
-    flops._counted.clear()
-    torch.random.set_rng_state(rng)
 
 
 def _stdio(fd: int, write: bool, unbuffered: bool, errors: str) -> io.TextIOWrapper:
@@ -332,9 +313,9 @@ if __name__ == "__main__":
 
     for name in PRELOAD:
         importlib.import_module(name)
-    _ranks_forked_here(sys.argv[1], dict(os.environ))
-    _warm_caches()
-    subprocess.Popen = launchers_forked(Server.attach(sys.argv[1], dict(os.environ)), subprocess.Popen)  # type: ignore[misc]
+    here = Server.attach(sys.argv[1], dict(os.environ))  # as this server's children reach it
+    _ranks_forked_here(here)
+    subprocess.Popen = launchers_forked(here, subprocess.Popen)  # type: ignore[misc]
     gc.collect()
     gc.freeze()  # what the imports made stays out of each child's collections (see conftest)
     served = _serve(sys.argv[1], int(sys.argv[2]))
