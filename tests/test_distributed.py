@@ -16,8 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from perfrun.data import ResumableSampler
+from perfrun.data.sampler import CHUNK
 from perfrun.loop.run import run
 from perfrun.telemetry.sinks import gpu_parts
 
@@ -51,6 +53,27 @@ def test_sampler_shards_union_to_the_one_process_order() -> None:
     s = ResumableSampler(101, 7, 1, 2)
     s.set_position(0, 40)  # a global position: 40 samples of all ranks taken
     assert list(s) == ranks[1][20:]
+
+
+def test_an_epoch_is_the_seeds_permutation_handed_out_a_chunk_at_a_time() -> None:
+    """The order is what runs written before recorded their position in (a resumed run must
+    rebuild it exactly), across chunk boundaries; the first index comes without the whole
+    epoch turned into Python ints (~36 bytes an index)."""
+    import tracemalloc
+
+    n = 3 * CHUNK + 5
+    s = ResumableSampler(n, 11, 1, 2)
+    s.set_position(2, 7)
+    whole = torch.randperm(n, generator=torch.Generator().manual_seed(13))[7:]
+    assert list(s) == whole[: len(whole) - len(whole) % 2][1::2].tolist()
+    big = ResumableSampler(1 << 22, 3)
+    tracemalloc.start()
+    try:
+        next(iter(big))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 * CHUNK * 36, peak  # a chunk or so; the whole epoch would be ~150 MB
 
 
 def test_two_ranks_match_one_process_with_the_same_global_batch(
