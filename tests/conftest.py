@@ -112,6 +112,19 @@ def _one_thread_per_process() -> Iterator[None]:
         os.environ.pop("OMP_NUM_THREADS", None)
 
 
+@pytest.fixture(autouse=True)
+def _environment_as_it_was() -> Iterator[None]:
+    """What a test's in-process job puts in os.environ stays in that test (perfrun's MLflow
+    logger sets MLFLOW_ALLOW_FILE_STORE for its file store, torch and perfrun a few run-time
+    settings): a later test's commands inherit this process's environment, and one that
+    differs from the warm interpreter's starts a fresh interpreter (~5 s of imports)."""
+    before = dict(os.environ)
+    yield
+    if os.environ != before:
+        os.environ.clear()
+        os.environ.update(before)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _no_compiled_code_between_files() -> Iterator[None]:
     """What a test file compiles stays in that file: tests that check a job leaves torch's
