@@ -15,7 +15,6 @@ Rules (tests/test_verdict.py holds the code to them over generated sweeps):
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from itertools import pairwise
 from typing import Any, Protocol
@@ -62,21 +61,12 @@ def _knob_keys(configs: list[dict[str, Any]]) -> list[str]:
     return [k for k in keys if len({repr(c.get(k)) for c in configs}) > 1]
 
 
-@functools.cache
-def _defaults() -> dict[str, Any]:
-    """perfrun's defaults, flattened: built once per process (the schema's tree takes a
-    while to build, and a report writes a line for every configuration it names)."""
-    from omegaconf import OmegaConf
-
-    from perfrun.config import TrainConfig
-
-    return flat(OmegaConf.to_container(OmegaConf.structured(TrainConfig)))
-
-
 def _line_to_paste(config: dict[str, Any], keys: list[str]) -> str:
     """``perfrun train KEY=VALUE ...``: the knobs where ``config`` differs from perfrun's
     defaults, so that the line runs exactly the configuration that was measured."""
-    defaults = _defaults()
+    from perfrun.config import TrainConfig, as_dict
+
+    defaults = flat(as_dict(TrainConfig()))  # the dataclasses' own defaults: no schema tree to build
     changed = [f"{k}={_spelt(config.get(k))}" for k in keys if config.get(k) != defaults.get(k)]
     return " ".join(["perfrun train", *changed])
 
