@@ -261,7 +261,7 @@ def _warm_interpreter(_cache_dir: None, _one_thread_per_process: None) -> Iterat
         _warm.append(Server(Path(tempfile.mkdtemp(prefix="perfrun-warm-")), child_env()))
     except RuntimeError as e:  # the commands then start fresh interpreters, as they would without it
         warnings.warn(f"{e}: every perfrun process of this test process starts a fresh interpreter", stacklevel=1)
-    if _warm and not _warm[0].silent:
+    if _warm and _warm[0].printed:
         warnings.warn(f"the warm interpreter's imports printed {_warm[0].printed!r}: every perfrun process of this test "
                       "process starts a fresh interpreter, which prints it too", stacklevel=1)
     yield

@@ -73,18 +73,17 @@ class Server:
         # a fresh interpreter prints what its imports print (a warning, say) before perfrun's
         # own output: where the warm one's imports printed anything, its children would not
         self.printed = log.read_text()
-        self.silent = not self.printed
 
     def serves(self, env: dict[str, str]) -> bool:
         """Whether a child with ``env`` behaves as a fresh interpreter with it would."""
         keys = set(env) | set(self.env)
-        return self.silent and all(env.get(k) == self.env.get(k) for k in keys - RUNTIME_ENV - RANK_ENV)
+        return not self.printed and all(env.get(k) == self.env.get(k) for k in keys - RUNTIME_ENV - RANK_ENV)
 
     @classmethod
     def attach(cls, path: str, env: dict[str, str]) -> Server:
         """The server of the process that forked this one, as its children reach it."""
         server = cls.__new__(cls)
-        server.path, server.env, server.silent = path, env, True
+        server.path, server.env, server.printed = path, env, ""
         return server
 
     def close(self) -> None:
