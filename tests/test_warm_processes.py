@@ -78,3 +78,42 @@ def test_the_launcher_a_warm_child_starts_is_forked_too(server: conftest.Server,
     seen = perfrun_process("-n", "1", "-r", "1", code, cwd=tmp_path, env=server.env, stdout=subprocess.PIPE,
                            text=True, module="timeit")
     assert seen.communicate(timeout=120)[0].splitlines()[0] == "WarmProcess 0 Popen 0"
+
+
+ENDINGS = '''
+import atexit, sys, threading, time
+atexit.register(print, "atexit")
+threading.Thread(target=lambda: (time.sleep(0.2), print("thread"))).start()
+sys.stdout.write("unflushed ")
+how = sys.argv[1]
+if how == "code":
+    sys.exit(3)
+if how == "message":
+    sys.exit("no way")
+if how == "error":
+    raise ValueError("boom")
+if how == "interrupt":
+    raise KeyboardInterrupt
+'''
+
+
+@pytest.mark.parametrize("how", ["returns", "code", "message", "error", "interrupt"])
+def test_a_warm_child_ends_as_a_fresh_interpreter_does(server: conftest.Server, tmp_path: Path, how: str) -> None:
+    """Its exit status, what it printed last (its stdout flushed, its threads joined, then
+    atexit), and the last line of an uncaught exception's report, as ``python -m`` gives them."""
+    (tmp_path / "ending.py").write_text(ENDINGS)
+    env = {k: v for k, v in server.env.items() if k != "PYTHONUNBUFFERED"}  # stdout block-buffered
+    ends = []
+    for start in (perfrun_process, None):
+        if start is None:
+            p = subprocess.Popen([sys.executable, "-m", "ending", how], cwd=tmp_path, env=env,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        else:
+            p = start(how, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                      module="ending")
+            assert isinstance(p, WarmProcess)
+        out, err = p.communicate(timeout=60)
+        ends.append((p.returncode, out, err.strip().splitlines()[-1:]))
+    assert ends[0] == ends[1]
+    expected = {"returns": 0, "code": 3, "message": 1, "error": 1, "interrupt": -signal.SIGINT}[how]
+    assert ends[0][:2] == (expected, "unflushed thread\natexit\n")

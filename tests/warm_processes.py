@@ -7,7 +7,7 @@ reads its command line; the suite starts a few dozen. This module runs a server 
 has imported them once and forks one child per command. Each child is a real process, as
 ``subprocess.Popen`` makes one: its own pid, signals, exit code (killed: minus the signal),
 pipes or terminal, working directory and environment; it runs the module as ``python -m``
-does, and ends through the interpreter's own exit (atexit, flushes, threads).
+does, and ends as the interpreter ends (atexit, flushes, threads), without its teardown.
 
 What a fresh interpreter reads before running any code (``PYTHON*`` settings, ``OMP_*``,
 ``LD_*``, ``MALLOC_*``, torch's settings, another ``PYTHONPATH``...) the warm one has already
@@ -198,16 +198,26 @@ class WarmProcess:
 
 def _serve(path: str, alive: int) -> tuple[dict[str, Any], list[int]] | None:
     """Fork a child per request and report its exit code; returns (the request, its fds) in
-    the child, None once ``alive`` is closed (the test process that started this server ended)."""
+    the child, None once ``alive`` is closed (the test process that started this server ended).
+    It sleeps until a request comes, ``alive`` closes or a child ends (each child's pidfd)."""
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path + ".new")
     listener.listen(64)
     os.rename(path + ".new", path)  # the path appears once the server listens
-    children: dict[int, socket.socket] = {}
+    children: dict[int, tuple[int, socket.socket]] = {}  # pidfd: (pid, the requester's connection)
     while True:
-        ready = select.select([listener, alive], [], [], 0.02)[0]
+        ready = select.select([listener, alive, *children], [], [])[0]
         if alive in ready and not os.read(alive, 1):
             break
+        for pidfd in (fd for fd in ready if fd in children):
+            pid, conn = children.pop(pidfd)
+            os.close(pidfd)
+            _, status = os.waitpid(pid, 0)
+            try:
+                conn.sendall(f"{os.waitstatus_to_exitcode(status)}\n".encode())
+            except OSError:  # the test stopped listening
+                pass
+            conn.close()
         if listener in ready:
             conn, _ = listener.accept()
             data, fds, _, _ = socket.recv_fds(conn, 1 << 16, 3)
@@ -218,23 +228,15 @@ def _serve(path: str, alive: int) -> tuple[dict[str, Any], list[int]] | None:
             if pid == 0:
                 listener.close()
                 os.close(alive)
-                for c in [*children.values(), conn]:
+                for pidfd, (_, c) in children.items():
+                    os.close(pidfd)
                     c.close()
+                conn.close()
                 return json.loads(data[8:]), fds
             for fd in fds:
                 os.close(fd)
             conn.sendall(f"{pid}\n".encode())
-            children[pid] = conn
-        while children:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-            if pid == 0:
-                break
-            conn = children.pop(pid)
-            try:
-                conn.sendall(f"{os.waitstatus_to_exitcode(status)}\n".encode())
-            except OSError:  # the test stopped listening
-                pass
-            conn.close()
+            children[os.pidfd_open(pid)] = (pid, conn)
     os.unlink(path)
     return None
 
@@ -304,6 +306,50 @@ def _become(request: dict[str, Any], fds: list[int]) -> None:
     sys.argv = ["-m", *request["args"]]
 
 
+def _exit_code(code: Any) -> int:
+    """The exit status ``raise SystemExit(code)`` gives the interpreter (its message printed)."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    print(code, file=sys.stderr)
+    return 1
+
+
+def _run_and_end(module: str) -> None:
+    """Run ``module`` as ``python -m`` does and end as its interpreter ends (an uncaught
+    exception's traceback, non-daemon threads joined, atexit, the streams flushed, the exit
+    status, SIGINT re-raised after an uncaught KeyboardInterrupt), but without the teardown
+    that follows: freeing every object one by one, it writes to each page this child shares
+    with the server, which the kernel then copies: a child that runs nothing took 0.39-0.50 s
+    of CPU on a 2-core EPYC with it, 0.06-0.09 s without (the system takes the memory back
+    at exit all the same)."""
+    import atexit
+    import runpy
+    import threading
+
+    interrupted = False
+    try:
+        runpy._run_module_as_main(module)  # what python -m MODULE runs
+        code = 0
+    except SystemExit as e:
+        code = _exit_code(e.code)
+    except BaseException as e:  # noqa: BLE001 - reported as the interpreter reports it
+        sys.excepthook(type(e), e, e.__traceback__)
+        interrupted, code = isinstance(e, KeyboardInterrupt), 1
+    threading._shutdown()  # type: ignore[attr-defined]
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: the interpreter's status for it
+            code = code or 120
+    if interrupted:  # as the interpreter ends after an uncaught KeyboardInterrupt
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    os._exit(code)
+
+
 if __name__ == "__main__":
     if os.fork() > 0:  # the starter ends at once; the server goes on as its child, adopted by init
         os._exit(0)
@@ -323,6 +369,4 @@ if __name__ == "__main__":
     _become(*served)
     module = served[0]["module"]
     del served
-    import runpy
-
-    runpy._run_module_as_main(module)  # what python -m MODULE runs
+    _run_and_end(module)
