@@ -8,7 +8,6 @@ size below one, a sequence longer than the model) is checked by :func:`perfrun.v
 from __future__ import annotations
 
 import dataclasses
-import functools
 import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -320,7 +319,7 @@ def typed(composed: DictConfig) -> TrainConfig:
         job = composed.copy()
         with open_dict(job):
             job.pop("hydra")
-    unknown = _unknown_keys(job, _schema())
+    unknown = _unknown_keys(job, TrainConfig())
     if unknown:
         raise ConfigError(
             f"{', '.join(unknown)}: not a key perfrun knows; remove it "
@@ -353,25 +352,18 @@ def _get(root: object, dotted: str) -> Any:
     return node
 
 
-@functools.cache
-def _schema() -> DictConfig:
-    """The schema as a read-only tree, built once per process (a sweep checks every job
-    against it)."""
-    from omegaconf import OmegaConf
-
-    schema = OmegaConf.structured(TrainConfig)
-    OmegaConf.set_readonly(schema, True)
-    return schema
-
-
 def _unknown_keys(node: Any, schema: Any, prefix: str = "") -> list[str]:
-    """Keys in ``node`` that the schema lacks (Hydra's ``+key=value`` can add them)."""
+    """Keys in ``node`` that the schema lacks (Hydra's ``+key=value`` can add them), read from
+    ``schema``, a dataclass of it with its defaults: the fields are the keys, a field that is
+    itself a dataclass a group of them (``model.args`` and ``data.args``, plain dicts, hold the
+    user's own keys)."""
     from omegaconf import DictConfig
 
     unknown = []
+    names = {f.name for f in dataclasses.fields(schema)}
     for key in node.keys() if isinstance(node, DictConfig) else []:
-        if key not in schema:
+        if key not in names:
             unknown.append(f"{prefix}{key}")
-        elif isinstance(schema[key], DictConfig) and f"{prefix}{key}" not in ("model.args", "data.args"):  # the user's
-            unknown += _unknown_keys(node[key], schema[key], f"{prefix}{key}.")
+        elif dataclasses.is_dataclass(child := getattr(schema, key)):
+            unknown += _unknown_keys(node[key], child, f"{prefix}{key}.")
     return unknown

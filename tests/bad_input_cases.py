@@ -31,6 +31,7 @@ CASES = [
     Case("batch size neither a number nor auto", ("train", "dataloader.batch_size=abc"), "neither a whole number nor auto"),
     Case("unknown key", ("train", "dataloader.bogus=1"), "dataloader.bogus is not a key"),
     Case("key added with +", ("train", "+foo=1"), "foo: not a key perfrun knows"),
+    Case("key added with + in a group", ("train", "+model.rope_scaling.foo=1"), "model.rope_scaling.foo: not a key perfrun knows"),
     Case("data=text without a path", ("train", "data=text"), "data=text needs a file or folder"),
     Case("missing data path", ("train", "data=text", "data.path={d}/nope.txt"), "does not exist"),
     Case("empty data file", ("train", "data=text", "data.path={d}/empty.txt"), "is empty"),
