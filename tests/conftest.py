@@ -125,6 +125,17 @@ def _environment_as_it_was() -> Iterator[None]:
         os.environ.update(before)
 
 
+@pytest.fixture(autouse=True)
+def _root_logger_as_it_was() -> Iterator[None]:
+    """A Hydra app run in this process configures the root logger for its job (a console
+    handler, the job's train.log): a later test's logging must not write into a folder an
+    earlier test made (and may have removed)."""
+    from perfrun.commands.tune import kept_logging
+
+    with kept_logging():
+        yield
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _no_compiled_code_between_files() -> Iterator[None]:
     """What a test file compiles stays in that file: tests that check a job leaves torch's
