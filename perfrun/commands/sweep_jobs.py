@@ -11,10 +11,13 @@ import signal
 from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from perfrun.commands.sweep_callback import resume_command
 from perfrun.console import composition_error
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
 STOP_CODES = (128 + signal.SIGINT, 128 + signal.SIGTERM)
 
@@ -51,9 +54,10 @@ def override_grammar(args: list[str]) -> str | None:
     return None
 
 
-def preflight(args: list[str]) -> str | None:
+def preflight(args: list[str]) -> tuple[str | None, DictConfig | None]:
     """Compose the sweep's first job before Hydra does (and check every ``+ablation=`` rung
-    name), so that a wrong rung, key or type is one line instead of Hydra's page."""
+    name), so that a wrong rung, key or type is one line instead of Hydra's page: the
+    problem, else None and that job's ``hydra`` node (the sweep's folders, read from it)."""
     from hydra import compose, initialize_config_dir
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
@@ -63,7 +67,7 @@ def preflight(args: list[str]) -> str | None:
     try:
         parsed = OverridesParser.create().parse_overrides(given)
     except Exception as e:  # noqa: BLE001 - the override grammar: Hydra's own message, first line
-        return composition_error(e)
+        return composition_error(e), None
     first = []
     rungs = sorted(p.stem for p in (Path(config_dir()) / "ablation").glob("*.yaml"))
     for o in parsed:
@@ -72,16 +76,16 @@ def preflight(args: list[str]) -> str | None:
             unknown = [v for v in values if v not in rungs]
             if unknown:
                 return (f"+ablation={','.join(unknown)}: no such rung; choose among {', '.join(rungs)} "
-                        "(conf/ablation/)")
+                        "(conf/ablation/)"), None
         first.append(f"{o.input_line.split('=', 1)[0]}={values[0]}" if values else o.input_line)
     if any(_key(a) == "sweep" for a in given) and not any(_key(a) == "ablation" for a in given):
         first.append("+ablation=naive")
     try:
         with initialize_config_dir(config_dir=config_dir(), version_base="1.3", job_name="train"):
-            compose("train", overrides=first, return_hydra_config=True)
+            composed = compose("train", overrides=first, return_hydra_config=True)
     except Exception as e:  # noqa: BLE001 - every composition error is the user's input
-        return composition_error(e)
-    return None
+        return composition_error(e), None
+    return None, composed.hydra
 
 
 def already_measured(run_dir: Path, overrides: list[str]) -> str | None:

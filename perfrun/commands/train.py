@@ -189,8 +189,11 @@ def train_main(args: list[str]) -> int:
         return 2
     from perfrun.commands import sweep_jobs
 
-    problem = sweep_jobs.override_grammar(args) or (
-        sweep_jobs.preflight(args) if _multirun(args) else sweep_jobs.preset_without_multirun(args))
+    problem, sweep_hydra = sweep_jobs.override_grammar(args), None
+    if problem is None and _multirun(args):
+        problem, sweep_hydra = sweep_jobs.preflight(args)
+    elif problem is None:
+        problem = sweep_jobs.preset_without_multirun(args)
     if problem is not None:
         error(problem)
         return 2
@@ -246,7 +249,7 @@ def train_main(args: list[str]) -> int:
         finally:
             dist.destroy()
     if _multirun(args) or _answered_by_hydra(args):  # a sweep's root is read with its folder; no job, no root
-        return _run_app(args, given_root)
+        return _run_app(args, given_root, sweep_hydra)
     return _run_app(args, given_root or _search_root(args))
 
 
@@ -319,11 +322,12 @@ def _answered_by_hydra(args: list[str]) -> bool:
     return any(a in HYDRA_ANSWERS or a.startswith(("--cfg=", "--info=")) for a in args)
 
 
-def _run_app(args: list[str], search_root: Path | None) -> int:
+def _run_app(args: list[str], search_root: Path | None, sweep_hydra: DictConfig | None = None) -> int:
     """The Hydra app, with ``args`` as its command line: Hydra composes the configuration
     (once per job of a sweep); ``search_root``: where ``resume=auto`` looks for the run a
     job continues (None: nowhere but the job's own run dir; in a sweep, the fixed part of
-    the sweep dir's template)."""
+    the sweep dir's template); ``sweep_hydra``: a sweep's ``hydra`` node where the caller
+    has composed it already (its first job's, which holds the sweep's folders)."""
     from perfrun.commands.hydra_app import run_hydra
     from perfrun.config import register_configs
 
@@ -332,7 +336,7 @@ def _run_app(args: list[str], search_root: Path | None) -> int:
     sweep_dir = None
     if _multirun(args):  # resolved once, here, so that the sweep's jobs can be read back from it
         try:
-            node = hydra_node(args)
+            node = sweep_hydra if sweep_hydra is not None else hydra_node(args)
             sweep_dir = str(node.sweep.dir)
             search_root = search_root or template_root(node.sweep)  # read before the sweep dir is pinned
             args = [*args, f"hydra.sweep.dir={quoted(sweep_dir)}"]
