@@ -81,19 +81,23 @@ def test_the_launcher_a_warm_child_starts_is_forked_too(server: conftest.Server,
 
 
 ENDINGS = '''
-import atexit, sys, threading, time
+import atexit, sys, threading
 atexit.register(print, "atexit")
-threading.Thread(target=lambda: (time.sleep(0.2), print("thread"))).start()
 sys.stdout.write("unflushed ")
+ended = threading.Event()  # the thread prints once the module is over: only a join lets it
+threading.Thread(target=lambda: (ended.wait(), print("thread"))).start()
 how = sys.argv[1]
-if how == "code":
-    sys.exit(3)
-if how == "message":
-    sys.exit("no way")
-if how == "error":
-    raise ValueError("boom")
-if how == "interrupt":
-    raise KeyboardInterrupt
+try:
+    if how == "code":
+        sys.exit(3)
+    if how == "message":
+        sys.exit("no way")
+    if how == "error":
+        raise ValueError("boom")
+    if how == "interrupt":
+        raise KeyboardInterrupt
+finally:
+    ended.set()
 '''
 
 

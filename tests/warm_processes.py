@@ -343,7 +343,7 @@ def _run_and_end(module: str) -> None:
         try:
             stream.flush()
         except (OSError, ValueError):  # a closed pipe: the interpreter's status for it
-            code = code or 120
+            code = 120
     if interrupted:  # as the interpreter ends after an uncaught KeyboardInterrupt
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
