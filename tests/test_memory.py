@@ -97,6 +97,31 @@ def torch_module() -> Any:
     return torch.nn.Linear(2, 2)
 
 
+def test_module_statistics_read_quickly_give_torchs_figures(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tracker keeps its per-module statistics in perfrun's ModuleStats on this torch, and
+    an estimate (categories, peak, modules) is the one torch's own dictionary gives; a module
+    that is gone is not read."""
+    import gc
+
+    import torch
+    from torch.utils.weak import WeakIdKeyDictionary
+
+    quick = memory_tracker.ModuleStats
+    assert memory_tracker.Tracker(torch_module(), None).quick_stats
+    cfg = make_cfg("data=synthetic", "data.vocab_size=256", "dataloader.batch_size=2", "model.n_layer=1")
+    ours = estimate(cfg, 256, top=5).to_dict()
+    monkeypatch.setattr(memory_tracker, "ModuleStats", type("TorchsOwn", (WeakIdKeyDictionary,), {}))
+    torchs = estimate(cfg, 256, top=5).to_dict()
+    assert ours["modules"] and ours.pop("seconds") >= 0 and torchs.pop("seconds") >= 0
+    assert ours == torchs
+    stats = quick()
+    kept, gone = torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)
+    stats[kept], stats[gone] = "kept", "gone"
+    del gone
+    gc.collect()
+    assert stats.values() == ["kept"]
+
+
 def test_the_categories_sum_to_the_measured_peak(tracked: tuple[Path, dict[str, Any], str]) -> None:
     _, summary, _ = tracked
     b = summary["memory"]["breakdown"]
