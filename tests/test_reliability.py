@@ -285,7 +285,7 @@ def test_signal_stops_gracefully_and_resumes(tmp_path: Path, sig: int, code: int
 def test_second_sigint_stops_at_once(tmp_path: Path) -> None:
     """The second SIGINT is sent once the first was handled (two signals that arrive while
     the interpreter is inside one C call are delivered as one), during a ~1 s step."""
-    p = start_train(tmp_path, "model.n_layer=4", "model.n_embd=384", "model.n_head=4", "dataloader.batch_size=16",
+    p = start_train(tmp_path, "model.n_layer=4", "model.n_embd=384", "model.n_head=4", "dataloader.batch_size=4",
                "max_steps=100000", "log_every=1", "device=cpu", "monitor.every_n_steps=0", "hydra.run.dir=run")
     wait_for(lambda: _first_metrics(tmp_path))
     p.send_signal(signal.SIGINT)
