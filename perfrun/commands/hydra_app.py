@@ -226,17 +226,29 @@ def hydra_main(name: str, args: list[str], job: Callable[[Any], int]) -> int:
 
 
 def with_hydra_overrides(cfg: DictConfig, overrides: list[str]) -> DictConfig:
-    """``cfg`` (composed with its ``hydra`` node) with more ``hydra.KEY=VALUE`` overrides, applied
-    and recorded (``hydra.overrides.hydra``, hence .hydra/hydra.yaml) as Hydra applies and
-    records those of the command line, so that the configuration is not composed again."""
+    """``cfg`` (composed with its ``hydra`` node) with more ``hydra.KEY=VALUE`` (or ``~hydra.KEY``)
+    overrides, applied and recorded (``hydra.overrides.hydra``, hence .hydra/hydra.yaml) as
+    Hydra applies and records those of the command line, so that the configuration is not
+    composed again."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
-    from omegaconf import OmegaConf
+    from omegaconf import OmegaConf, open_dict
 
     for override in OverridesParser.create().parse_overrides(overrides):
+        deleted = override.is_delete() and override.value() is None
         if not override.is_hydra_override() or override.is_sweep_override() or override.is_add() \
-                or override.is_delete() or override.is_force_add():
-            raise ValueError(f"{override.input_line}: only a plain hydra.KEY=VALUE is applied to a composed configuration")
-        OmegaConf.update(cfg, override.key_or_group, override.value(), merge=True)
+                or (override.is_delete() and not deleted) or override.is_force_add():
+            raise ValueError(f"{override.input_line}: only a plain hydra.KEY=VALUE or ~hydra.KEY is applied to a "
+                             "composed configuration")
+        key = override.key_or_group
+        if deleted:
+            parent_key, _, leaf = key.rpartition(".")
+            parent = OmegaConf.select(cfg, parent_key)
+            if not OmegaConf.is_dict(parent) or leaf not in parent:
+                raise ValueError(f"{override.input_line}: there is no {key} to delete")
+            with open_dict(parent):
+                del parent[leaf]
+        else:
+            OmegaConf.update(cfg, key, override.value(), merge=True)
         cfg.hydra.overrides.hydra.append(override.input_line)
     return cfg
 

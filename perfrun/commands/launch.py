@@ -135,10 +135,12 @@ def run_torchrun(nproc: int, train_args: list[str]) -> int:
         signal.signal(signal.SIGTERM, previous)
 
 
-def launch_ranks(args: list[str], nproc: int) -> int:
+def launch_ranks(args: list[str], nproc: int, node: DictConfig | None = None) -> int:
     """``perfrun train distributed=ddp nproc=N``: start N ranks through torchrun, with the
-    run dir (and sweep dir) resolved once here and handed to all of them."""
-    return run_torchrun(nproc, [*args, *dir_overrides(*hydra_dirs(args))])
+    run dir (and sweep dir) resolved once here (from ``node``, the ``hydra`` node of the
+    configuration ``args`` composes, where the caller has it) and handed to all of them."""
+    dirs = (str(node.run.dir), str(node.sweep.dir)) if node is not None else hydra_dirs(args)
+    return run_torchrun(nproc, [*args, *dir_overrides(*dirs)])
 
 
 def run_sweep_job_on_ranks(cfg: TrainConfig, overrides: list[str], run_dir: Path, *, sweep_args: list[str],
@@ -195,9 +197,10 @@ def _resolved(overrides: list[str], cfg: TrainConfig) -> list[str]:
     return out
 
 
-def join_rank_group(args: list[str], cfg: TrainConfig | None) -> list[str]:
+def join_rank_group(args: list[str], cfg: TrainConfig | None, node: DictConfig | None = None) -> list[str]:
     """Under torchrun: make the process group now, before Hydra, so that rank 0 can hand
-    every rank its run dir; ranks other than 0 are quietened. Returns the extra overrides."""
+    every rank its run dir (read from ``node``, the ``hydra`` node the rank composed, where
+    it has one); ranks other than 0 are quietened. Returns the extra overrides."""
     import torch
 
     from perfrun import distributed
@@ -207,7 +210,7 @@ def join_rank_group(args: list[str], cfg: TrainConfig | None) -> list[str]:
     dirs: tuple[str, str] | None = None
     if distributed.rank() == 0:
         try:
-            dirs = hydra_dirs(args)
+            dirs = (str(node.run.dir), str(node.sweep.dir)) if node is not None else hydra_dirs(args)
         except Exception:  # noqa: BLE001 - reported below, on every rank, instead of a hang
             dirs = None
     dirs = distributed.from_rank0(dirs)

@@ -234,7 +234,9 @@ def train_main(args: list[str]) -> int:
         root = None if redirect else template_root(composed.hydra.run)  # a pinned run dir has none
         with undone_if_refused(run_dir):  # a refused job leaves a run dir that holds a run as it was
             if several:
-                return launch_ranks(args + redirect, int(nproc))
+                from perfrun.commands.hydra_app import with_hydra_overrides
+
+                return launch_ranks(args + redirect, int(nproc), with_hydra_overrides(composed, redirect).hydra)
             return _run_composed(args + redirect, composed, redirect, root)
     if world == 1 and several and not _multirun(args):  # a sweep's jobs start their own torchrun
         return launch_ranks(args, int(nproc))
@@ -245,7 +247,10 @@ def train_main(args: list[str]) -> int:
         from perfrun import distributed as dist
 
         try:
-            return _run_app(args + join_rank_group(args, config), given_root or _search_root(args))
+            if composed is None:  # a flag (-m, --cfg): Hydra's own app, as in one process
+                return _run_app(args + join_rank_group(args, config), given_root or _search_root(args))
+            joined = join_rank_group(args, config, composed.hydra)  # the rank runs what it composed
+            return _run_composed(args + joined, composed, joined, given_root or template_root(composed.hydra.run))
         finally:
             dist.destroy()
     if _multirun(args) or _answered_by_hydra(args):  # a sweep's root is read with its folder; no job, no root
@@ -355,8 +360,9 @@ def _run_app(args: list[str], search_root: Path | None, sweep_hydra: DictConfig 
 
 def _run_composed(args: list[str], composed: DictConfig, redirect: list[str], search_root: Path | None) -> int:
     """A plain run of the configuration the preflight composed (``args``: its command line,
-    ``redirect``: the resume=auto run dir, applied to it as Hydra applies an override),
-    through Hydra's own job machinery, so that it is not composed again."""
+    ``redirect``: hydra.* overrides decided since, applied to it as Hydra applies an override:
+    the resume=auto run dir, or a rank's folders and quiet logging), through Hydra's own job
+    machinery, so that it is not composed again."""
     from perfrun.commands.hydra_app import run_composed, with_hydra_overrides
     from perfrun.commands.sweep_jobs import stops_cleanly
 
