@@ -7,6 +7,7 @@ which is counted here during a real run entered as the command line enters it.""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -106,6 +107,29 @@ def test_what_hydra_answers_without_a_job_composes_once(compositions: list[list[
     assert train("--cfg", "job", "max_steps=3") == 0
     assert "max_steps: 3" in capfd.readouterr().out
     assert compositions == [["max_steps=3"]]  # Hydra's own; no search for a run no job continues
+
+
+def test_a_ranks_overrides_on_its_composition_are_what_hydra_makes_of_them() -> None:
+    """A rank under torchrun runs the configuration it composed with its folders and quiet
+    logging applied (perfrun.commands.launch.QUIET_RANK): the result, recorded overrides
+    included, is the one Hydra composes with them on the command line; what it cannot apply
+    is refused, not dropped."""
+    from hydra import compose, initialize_config_dir
+
+    from perfrun.commands.hydra_app import with_hydra_overrides
+    from perfrun.commands.launch import QUIET_RANK
+    from perfrun.config import config_dir
+
+    rank = ["hydra.run.dir='r/0'", "hydra.sweep.dir='s'", *QUIET_RANK]
+    register_configs()
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3", job_name="train"):
+        given = compose("train", overrides=[*QUICK, "distributed=ddp"], return_hydra_config=True)
+        whole = compose("train", overrides=[*QUICK, "distributed=ddp", *rank], return_hydra_config=True)
+    assert "file" in given.hydra.job_logging.handlers  # what QUIET_RANK takes away is there to take
+    assert with_hydra_overrides(given, rank) == whole
+    for refused in ("~hydra.job_logging.handlers.nope", "~hydra.job_logging.handlers.file=x", "+hydra.x=1", "seed=2"):
+        with pytest.raises(ValueError, match=re.escape(refused)):
+            with_hydra_overrides(whole, [refused])
 
 
 WHOLE = [  # group choices and values mixed, a value given twice, a value of a chosen group
