@@ -137,7 +137,7 @@ def test_memory_sizes_are_parsed_or_refused() -> None:
 
 def test_the_command_prints_an_estimate_and_the_knob_that_would_fit(capsys: pytest.CaptureFixture[str],
                                                                      tmp_path: Path) -> None:
-    words = [*SMALL, *TINY_MODEL, "dataloader.batch_size=8"]
+    words = [*SMALL, *TINY_MODEL, "model.n_layer=1", "dataloader.batch_size=8"]
     peak = estimate(make_cfg(*words), VOCAB, top=0).peak_bytes
     out = tmp_path / "estimate.json"
     code = estimate_command.main([*words, f"memory.size={int(peak * 0.7)}B", f"estimate.out={out}"])
