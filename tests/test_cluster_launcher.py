@@ -19,10 +19,9 @@ from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 
-from perfrun.commands.train import train_main
 from perfrun.config import config_dir, register_configs
 
-from conftest import REPO, TINY_MODEL, run_cli
+from conftest import REPO, TINY_MODEL, launch, run_cli
 
 try:
     PLUGIN = importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is not None
@@ -30,7 +29,7 @@ except ImportError:
     PLUGIN = False
 needs_plugin = pytest.mark.skipif(not PLUGIN, reason="needs hydra-submitit-launcher (pip install -e '.[dev]')")
 
-# A job of a few steps: the time is the job process's imports (~4 s on 2 cores)
+# A job of a few steps
 QUICK = [*TINY_MODEL, "dataloader.batch_size=4", "max_steps=3", "log_every=1", "eval_every=0",
          "eval_batches=1", "monitor.every_n_steps=0", "device=cpu", "progress=off",
          "timing_warmup_steps=1", "data.vocab_size=256"]
@@ -91,9 +90,9 @@ def test_sweep_runs_through_submitit_and_reports_a_failed_job(tmp_path: Path, mo
     """Each job is pickled by submitit and run by a process of its own; the one that fails
     fails there, out of the sweep's process, and the sweep still ends with exit 1 and its line."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # two job processes on 2 cores
-    monkeypatch.chdir(tmp_path)
     sweep = tmp_path / "sweep"
-    rc = train_main(["-m", "hydra/launcher=slurm_local", *QUICK, "data=synthetic,text", f"hydra.sweep.dir={sweep}"])
+    rc = launch("train", "-m", "hydra/launcher=slurm_local", *QUICK, "data=synthetic,text", f"hydra.sweep.dir={sweep}",
+                cwd=tmp_path)
     assert rc == 1
     ok, bad = (json.loads((sweep / str(i) / "summary.json").read_text()) for i in range(2))
     assert ok["status"] == "completed" and ok["final_val_loss"] > 0 and ok["steps"] == 3, ok

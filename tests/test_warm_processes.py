@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import warm_processes
 from warm_processes import WarmProcess
 
 import conftest
@@ -70,14 +71,21 @@ def test_settings_read_at_start_up_get_a_fresh_interpreter(server: conftest.Serv
 
 def test_the_launcher_a_warm_child_starts_is_forked_too(server: conftest.Server, tmp_path: Path) -> None:
     """``perfrun train nproc=2`` starts ``python -m perfrun.commands.launch`` (its torchrun) with
-    subprocess.Popen: in a warm child that is a warm child as well; any other command is not."""
-    code = ("import subprocess, sys; "
+    subprocess.Popen, and submitit's local controller ``python -u -m submitit.core._submit``
+    with an environment of its own: in a warm child each is a warm child as well; a command
+    that reads a pipe, or any other command, is not."""
+    code = ("import os, subprocess, sys; "
             "p = subprocess.Popen([sys.executable, '-m', 'perfrun.commands.launch', '--help'], stdout=subprocess.DEVNULL); "
+            "env = {**os.environ, 'SUBMITIT_LOCAL_JOB_ID': '1', 'CUDA_VISIBLE_DEVICES': ''}; "
+            "job = [sys.executable, '-u', '-m', 'submitit.core._submit', '--help']; "
+            "s = subprocess.Popen(job, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, encoding='utf-8'); "
+            "t = subprocess.Popen(job, env=env, stdout=subprocess.PIPE, encoding='utf-8'); t.communicate(); "
             "q = subprocess.Popen([sys.executable, '-c', 'pass']); "
-            "print(type(p).__name__, p.wait(), type(q).__name__, q.wait())")
+            "print(*(f'{type(x).__name__} {x.wait()}' for x in (p, s, t, q)))")
     seen = perfrun_process("-n", "1", "-r", "1", code, cwd=tmp_path, env=server.env, stdout=subprocess.PIPE,
                            text=True, module="timeit")
-    assert seen.communicate(timeout=120)[0].splitlines()[0] == "WarmProcess 0 Popen 0"
+    submitit = "WarmProcess" if warm_processes._without_cuda() else "Popen"  # CUDA reads CUDA_VISIBLE_DEVICES
+    assert seen.communicate(timeout=120)[0].splitlines()[0] == f"WarmProcess 0 {submitit} 0 Popen 0 Popen 0"
 
 
 ENDINGS = '''

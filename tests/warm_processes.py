@@ -48,6 +48,19 @@ RANK_ENV = frozenset({"RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAM
                       "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
                       "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE",
                       "TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_SIGNALS_TO_HANDLE", "TORCH_NCCL_ASYNC_ERROR_HANDLING"})
+# set by submitit for its local job controller and each job process (hydra/launcher=slurm_local),
+# read by submitit while the job runs; the warm interpreter never imports submitit
+RUNTIME_PREFIXES = ("SUBMITIT_",)
+# read by CUDA when torch first asks for a device: where this torch has no CUDA, nobody reads it
+CUDA_ENV = frozenset({"CUDA_VISIBLE_DEVICES"})
+
+
+def _without_cuda() -> bool:
+    import torch
+
+    return torch.version.cuda is None and not torch.cuda.is_available()
+
+
 PRELOAD = ("torch", "torch._dynamo", "torch.distributed.run", "hydra", "perfrun.commands.dispatch",
            "perfrun.commands.train", "perfrun.loop.run")
 
@@ -76,8 +89,10 @@ class Server:
 
     def serves(self, env: dict[str, str]) -> bool:
         """Whether a child with ``env`` behaves as a fresh interpreter with it would."""
-        keys = set(env) | set(self.env)
-        return not self.printed and all(env.get(k) == self.env.get(k) for k in keys - RUNTIME_ENV - RANK_ENV)
+        keys = {k for k in set(env) | set(self.env) if not k.startswith(RUNTIME_PREFIXES)} - RUNTIME_ENV - RANK_ENV
+        if _without_cuda():
+            keys -= CUDA_ENV
+        return not self.printed and all(env.get(k) == self.env.get(k) for k in keys)
 
     @classmethod
     def attach(cls, path: str, env: dict[str, str]) -> Server:
@@ -257,21 +272,40 @@ def _ranks_forked_here(server: Server) -> None:
     subprocess_handler.SubprocessHandler._popen = popen
 
 
-# the launchers perfrun starts with subprocess.Popen (run_torchrun's), forked where allowed
-LAUNCHERS = ("perfrun.commands.launch",)
+# what perfrun and the launchers it drives start with subprocess.Popen, forked where allowed:
+# perfrun's torchrun (run_torchrun's), and for hydra/launcher=slurm_local submitit's local job
+# controller and the job process it starts
+LAUNCHERS = ("perfrun.commands.launch", "submitit.local._local", "submitit.core._submit")
+
+
+def _launcher(cmd: Any) -> tuple[str, list[str], bool] | None:
+    """(module, its arguments, whether unbuffered) of ``[python, (-u,) -m, MODULE, ARGS...]``
+    for a module of LAUNCHERS; None for any other command."""
+    if not isinstance(cmd, list) or not cmd or cmd[0] != sys.executable:
+        return None
+    words = cmd[1:]
+    unbuffered = words[:1] == ["-u"]
+    words = words[unbuffered:]
+    if len(words) < 2 or words[0] != "-m" or words[1] not in LAUNCHERS:
+        return None
+    return words[1], list(words[2:]), unbuffered
 
 
 def launchers_forked(server: Server, popen: Any) -> Any:
-    """``subprocess.Popen`` in which ``python -m perfrun.commands.launch ...`` (perfrun's torchrun,
-    started as run_torchrun starts it: the list, at most ``stdout``, this process's working
-    directory and environment) is forked from ``server`` where the environment allows it;
-    every other command goes to ``popen``."""
+    """``subprocess.Popen`` in which a command of LAUNCHERS (started as its caller starts it:
+    the list, at most ``stdout``, ``stderr`` (no pipe), ``env`` and ``encoding``, which only a
+    pipe reads, and this process's working directory) is forked from ``server`` where the
+    environment allows it; every other command goes to ``popen``."""
     def start(cmd: Any, *rest: Any, **kw: Any) -> Any:
-        env = dict(os.environ)
-        if (rest or set(kw) - {"stdout"} or not isinstance(cmd, list) or len(cmd) < 3
-                or cmd[:2] != [sys.executable, "-m"] or cmd[2] not in LAUNCHERS or not server.serves(env)):
+        found = _launcher(cmd)
+        env = dict(os.environ if kw.get("env") is None else kw["env"])
+        plain = (not rest and set(kw) <= {"stdout", "stderr", "env", "encoding", "shell"} and not kw.get("shell")
+                 and subprocess.PIPE not in (kw.get("stdout"), kw.get("stderr")))
+        if found is None or not plain or not server.serves(env):
             return popen(cmd, *rest, **kw)
-        return WarmProcess(server, list(cmd[3:]), cwd=os.getcwd(), env=env, stdout=kw.get("stdout"), module=cmd[2])
+        module, args, unbuffered = found
+        return WarmProcess(server, args, cwd=os.getcwd(), env=env, stdout=kw.get("stdout"), stderr=kw.get("stderr"),
+                           module=module, unbuffered=unbuffered)
 
     return start
 
