@@ -176,23 +176,22 @@ def calls_per_step(side: str, steps: int, overrides: list[str]) -> dict[str, Any
     """Python calls (cProfile) and aten operators (a dispatch mode, in runs of their own) per
     step of one side: runs of S and 2S steps after a warm run; the difference over S steps
     (setup and the end's evaluation cancel out)."""
-    one_side(side, compose_cfg(steps, 0, overrides), 0)  # imports, caches, lazy initialisation
+    cfgs = {n: compose_cfg(n, 0, overrides) for n in (steps, 2 * steps)}  # a run never writes into its config
+    one_side(side, cfgs[steps], 0)  # imports, caches, lazy initialisation
     calls, ops, faults = [], [], []
-    for n in (steps, 2 * steps):
-        cfg = compose_cfg(n, 0, overrides)
+    for cfg in cfgs.values():
         before = resource.getrusage(resource.RUSAGE_SELF)
         one_side(side, cfg, 0)
         after = resource.getrusage(resource.RUSAGE_SELF)
         faults.append({"minor_faults": after.ru_minflt - before.ru_minflt,
                        "kernel_cpu_ms": 1000 * (after.ru_stime - before.ru_stime)})
         prof = cProfile.Profile()
-        cfg = compose_cfg(n, 0, overrides)
         prof.enable()
         one_side(side, cfg, 0)
         prof.disable()
         calls.append({f"{Path(f).name}:{line}({name})": v[1] for (f, line, name), v in pstats.Stats(prof).stats.items()})
         with OpCount() as mode:
-            one_side(side, compose_cfg(n, 0, overrides), 0)
+            one_side(side, cfg, 0)
         ops.append(dict(mode.counts))
     per_call, per_op = per_step(*calls, steps), per_step(*ops, steps)
     fault = {k: (faults[1][k] - faults[0][k]) / steps for k in faults[0]}
