@@ -71,9 +71,9 @@ def test_settings_read_at_start_up_get_a_fresh_interpreter(server: conftest.Serv
 
 def test_the_launcher_a_warm_child_starts_is_forked_too(server: conftest.Server, tmp_path: Path) -> None:
     """``perfrun train nproc=2`` starts ``python -m perfrun.commands.launch`` (its torchrun) with
-    subprocess.Popen, and submitit's local controller ``python -u -m submitit.core._submit``
-    with an environment of its own: in a warm child each is a warm child as well; a command
-    that reads a pipe, or any other command, is not."""
+    subprocess.Popen, and submitit's local controller starts its job ``python -u -m
+    submitit.core._submit`` with an environment of its own: in a warm child each is a warm
+    child as well; a command that reads a pipe, or any other command, is not."""
     code = ("import os, subprocess, sys; "
             "p = subprocess.Popen([sys.executable, '-m', 'perfrun.commands.launch', '--help'], stdout=subprocess.DEVNULL); "
             "env = {**os.environ, 'SUBMITIT_LOCAL_JOB_ID': '1', 'CUDA_VISIBLE_DEVICES': ''}; "

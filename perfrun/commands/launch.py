@@ -81,10 +81,12 @@ def _sweeps(overrides: list[str]) -> bool:
         return False
 
 
-def hydra_dirs(args: list[str]) -> tuple[str, str]:
+def hydra_dirs(args: list[str], node: DictConfig | None = None) -> tuple[str, str]:
     """hydra.run.dir and hydra.sweep.dir resolved once, here: their ``${now:...}`` is read
-    at this moment, so every process handed these strings writes into the same folder."""
-    node = hydra_node(args)
+    at this moment, so every process handed these strings writes into the same folder.
+    ``node``: the ``hydra`` node of the configuration ``args`` composes, where the caller
+    has it (else it is composed here)."""
+    node = node if node is not None else hydra_node(args)
     return str(node.run.dir), str(node.sweep.dir)
 
 
@@ -139,8 +141,7 @@ def launch_ranks(args: list[str], nproc: int, node: DictConfig | None = None) ->
     """``perfrun train distributed=ddp nproc=N``: start N ranks through torchrun, with the
     run dir (and sweep dir) resolved once here (from ``node``, the ``hydra`` node of the
     configuration ``args`` composes, where the caller has it) and handed to all of them."""
-    dirs = (str(node.run.dir), str(node.sweep.dir)) if node is not None else hydra_dirs(args)
-    return run_torchrun(nproc, [*args, *dir_overrides(*dirs)])
+    return run_torchrun(nproc, [*args, *dir_overrides(*hydra_dirs(args, node))])
 
 
 def run_sweep_job_on_ranks(cfg: TrainConfig, overrides: list[str], run_dir: Path, *, sweep_args: list[str],
@@ -210,7 +211,7 @@ def join_rank_group(args: list[str], cfg: TrainConfig | None, node: DictConfig |
     dirs: tuple[str, str] | None = None
     if distributed.rank() == 0:
         try:
-            dirs = (str(node.run.dir), str(node.sweep.dir)) if node is not None else hydra_dirs(args)
+            dirs = hydra_dirs(args, node)
         except Exception:  # noqa: BLE001 - reported below, on every rank, instead of a hang
             dirs = None
     dirs = distributed.from_rank0(dirs)

@@ -146,10 +146,10 @@ class Tracker:
         self.model, self.fsdp = model, fsdp
         if fsdp:
             self._mt: Any = importlib.import_module(FSDP_TRACKER_MODULE).FSDPMemTracker(model, optimizer)
-            self.quick_stats = _read_quickly(self._mt)
         else:
             self._mt = importlib.import_module(TRACKER_MODULE).MemTracker()
-            self.quick_stats = _read_quickly(self._mt)
+        self.quick_stats = _read_quickly(self._mt)  # before the tracker records anything
+        if not fsdp:
             self._mt.track_external(model, *([optimizer] if optimizer is not None else []))
 
     def __enter__(self) -> Tracker:
