@@ -90,6 +90,15 @@ def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
 
 
 @pytest.fixture(scope="session", autouse=True)
+def _compositions_kept() -> None:
+    """Hydra's compositions remembered in this test process (:mod:`hydra_cache`), before
+    any test composes."""
+    import hydra_cache
+
+    hydra_cache.install()
+
+
+@pytest.fixture(scope="session", autouse=True)
 def _cache_dir(tmp_path_factory: pytest.TempPathFactory) -> None:
     """One data cache for the whole session, out of the user's home."""
     os.environ["PERFRUN_CACHE"] = str(tmp_path_factory.mktemp("perfrun-cache"))

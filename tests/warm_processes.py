@@ -392,6 +392,10 @@ if __name__ == "__main__":
 
     for name in PRELOAD:
         importlib.import_module(name)
+    import hydra_cache  # this script's folder (tests/) comes first on sys.path
+
+    hydra_cache.install()
+    hydra_cache.warm()
     here = Server.attach(sys.argv[1], dict(os.environ))  # as this server's children reach it
     _ranks_forked_here(here)
     subprocess.Popen = launchers_forked(here, subprocess.Popen)  # type: ignore[misc]

@@ -1,0 +1,217 @@
+"""Hydra's composition, remembered across the compositions of one test process.
+
+Hydra composes from scratch each time: it parses every YAML file again, builds the defaults
+tree again and merges every file again (~0.13 s idle on 2 cores, ~0.24 s under the suite's
+load); the suite composes ~570 times in its test processes, a third of its CPU. The parts
+that depend only on the files and on the overrides that pick files are kept here, per
+process, and each use takes a copy:
+
+- a config file as loaded (``ConfigRepository.load_config``), while the file is unchanged;
+- the defaults list (``create_defaults_list``) for a primary config and the overrides that
+  pick files (group choices, ``+group=``, ``~group``, ``hydra/...``), while every file it read
+  is unchanged: the value overrides are Hydra's own, classified afresh each time;
+- the merge of that list (``_compose_config_from_defaults_list``), under the same condition.
+
+Everything else, the value overrides applied in struct mode, the ``hydra`` node and every
+error, is Hydra's own code, run each time; a composition that fails is never kept. A file is
+"unchanged" while the source that serves it, its size, modification time and inode are
+(a ConfigStore node: while it is the same object). ``test_hydra_cache.py`` holds compositions
+made so equal to Hydra's own, a file edited between two compositions included.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+_swapped: list[tuple[object, str, object, object]] = []  # (owner, name, Hydra's, the one kept here)
+_recording: list[list[tuple[str, str | None, object]]] = []  # one list of reads per cached step in progress
+_loaded: dict[tuple[Any, ...], tuple[object, Any]] = {}
+_defaults: dict[tuple[Any, ...], tuple[tuple[tuple[str, str | None, object], ...], Any]] = {}
+_merged: dict[tuple[Any, ...], tuple[tuple[tuple[str, str | None, object], ...], Any]] = {}
+
+
+class _Same:
+    """Equal only to a wrapper of the very same object (a ConfigStore node)."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: object) -> None:
+        self.obj = obj
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Same) and other.obj is self.obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+
+def _signature(source: Any, config_path: str) -> object:
+    """What says that the file ``source`` serves for ``config_path`` is the one read before."""
+    scheme = source.scheme()
+    name = source._normalize_file_name(config_path)
+    if scheme == "file":
+        st = os.stat(os.path.join(source.path, name))
+        return (st.st_mtime_ns, st.st_size, st.st_ino)
+    if scheme == "structured":
+        return _Same(source.store._load(name))
+    return None  # a package's resources: the installed package, fixed for the process
+
+
+def _read(repo: Any, config_path: str) -> tuple[str, str | None, object]:
+    """(the config path, the source that serves it now, its signature)."""
+    from hydra.core.object_type import ObjectType
+
+    source = repo._find_object_source(config_path=config_path, object_type=ObjectType.CONFIG)
+    if source is None:
+        return config_path, None, None
+    return config_path, source.full_path(), _signature(source, config_path)
+
+
+def _unchanged(repo: Any, reads: tuple[tuple[str, str | None, object], ...]) -> bool:
+    return all(_read(repo, path) == (path, source, signature) for path, source, signature in reads)
+
+
+@contextmanager
+def _recorded() -> Iterator[list[tuple[str, str | None, object]]]:
+    reads: list[tuple[str, str | None, object]] = []
+    _recording.append(reads)
+    try:
+        yield reads
+    finally:
+        _recording.remove(reads)
+
+
+def _kept(config: Any) -> Any:
+    """A copy to keep: without what its resolvers have cached (``${now:...}``, which Hydra
+    resolves while it merges), so that each use resolves them afresh, as each composition
+    by Hydra does."""
+    from omegaconf import OmegaConf
+
+    kept = copy.deepcopy(config)
+    OmegaConf.clear_cache(kept)
+    return kept
+
+
+def _sources(repo: Any) -> tuple[object, ...]:
+    """The sources searched, and every node of the ConfigStore (a schema Hydra matches to a
+    file by its name is read from there without a ``load_config``)."""
+    from hydra.core.config_store import ConfigStore
+
+    def nodes(tree: dict[str, Any]) -> Iterator[object]:
+        for name, node in tree.items():
+            yield from nodes(node) if isinstance(node, dict) else ((name, _Same(node)),)
+
+    return (*(source.full_path() for source in repo.get_sources()), *nodes(ConfigStore.instance().repo))
+
+
+def install() -> None:
+    """Keep Hydra's compositions in this process (once; a second call does nothing)."""
+    if _swapped:
+        return
+    import hydra._internal.config_loader_impl as loader_impl
+    from hydra._internal.config_repository import CachingConfigRepository, ConfigRepository
+    from hydra._internal.defaults_list import DefaultsList, Overrides
+    from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
+
+    load_config: Callable[..., Any] = ConfigRepository.load_config
+    caching_load: Callable[..., Any] = CachingConfigRepository.load_config
+    create_defaults_list: Callable[..., Any] = loader_impl.create_defaults_list
+    merge: Callable[..., Any] = loader_impl.ConfigLoaderImpl._compose_config_from_defaults_list
+
+    def cached_load(self: Any, config_path: str) -> Any:
+        key = (tuple(source.full_path() for source in self.get_sources()), config_path)
+        read = _read(self, config_path)
+        kept = _loaded.get(key)
+        if kept is not None and kept[0] == read:
+            return copy.deepcopy(kept[1])
+        ret = load_config(self, config_path)
+        if ret is not None and read[1] is not None:
+            _loaded[key] = (read, copy.deepcopy(ret))
+            OmegaConf.clear_cache(_loaded[key][1].config)
+        return ret
+
+    def recording_load(self: Any, config_path: str) -> Any:
+        ret = caching_load(self, config_path)
+        if _recording:
+            read = _read(self.delegate, config_path)
+            for reads in _recording:
+                reads.append(read)
+        return ret
+
+    def init(self: Any, delegate: Any) -> None:
+        # Hydra copies the repository so as not to change its sources; the ConfigStore it
+        # refers to is shared by every copy (it is never changed by a source's setup).
+        store = ConfigStore.instance()
+        self.delegate = copy.deepcopy(delegate, {id(store): store})
+        self.cache = {}
+
+    def cached_defaults(repo: Any, config_name: str | None, overrides_list: list[Any], prepend_hydra: bool,
+                        skip_missing: bool) -> Any:
+        fresh = Overrides(repo=repo, overrides_list=overrides_list)  # which overrides are values
+        values = {id(o) for o in fresh.config_overrides}
+        picking = tuple(o.input_line for o in overrides_list if id(o) not in values)
+        key = (_sources(repo), config_name, picking, prepend_hydra, skip_missing)
+        kept = _defaults.get(key)
+        if kept is not None and _unchanged(getattr(repo, "delegate", repo), kept[0]):
+            made = copy.deepcopy(kept[1])
+        else:
+            with _recorded() as reads:
+                made = create_defaults_list(repo, config_name, overrides_list, prepend_hydra, skip_missing)
+            _defaults[key] = (tuple(reads), copy.deepcopy(made))
+        made.overrides.config_overrides = fresh.config_overrides
+        return DefaultsList(defaults=made.defaults, config_overrides=fresh.config_overrides,
+                            defaults_tree=made.defaults_tree, overrides=made.overrides)
+
+    def cached_merge(self: Any, defaults: list[Any], repo: Any) -> Any:
+        key = (_sources(repo), tuple((d.config_path, d.package, d.parent, d.is_self, d.primary) for d in defaults))
+        kept = _merged.get(key)
+        if kept is not None and _unchanged(getattr(repo, "delegate", repo), kept[0]):
+            return copy.deepcopy(kept[1])
+        with _recorded() as reads:
+            cfg = merge(self, defaults, repo)
+        _merged[key] = (tuple(reads), _kept(cfg))
+        return cfg
+
+    _swapped.extend([
+        (ConfigRepository, "load_config", load_config, cached_load),
+        (CachingConfigRepository, "load_config", caching_load, recording_load),
+        (CachingConfigRepository, "__init__", CachingConfigRepository.__init__, init),
+        (loader_impl, "create_defaults_list", create_defaults_list, cached_defaults),
+        (loader_impl.ConfigLoaderImpl, "_compose_config_from_defaults_list", merge, cached_merge),
+    ])
+    for owner, name, _, kept in _swapped:
+        setattr(owner, name, kept)
+
+
+def forget() -> None:
+    """Nothing kept: the next compositions are made again."""
+    for kept in (_loaded, _defaults, _merged):
+        kept.clear()
+
+
+@contextmanager
+def hydras_own() -> Iterator[None]:
+    """Hydra's own composition for a while (what the kept one is compared with)."""
+    for owner, name, hydras, _ in _swapped:
+        setattr(owner, name, hydras)
+    try:
+        yield
+    finally:
+        for owner, name, _, kept in _swapped:
+            setattr(owner, name, kept)
+
+def warm() -> None:
+    """Compose ``perfrun train`` once (its files, its defaults list, their merge), so that a
+    process forked after this starts with them kept."""
+    from hydra import compose, initialize_config_dir
+
+    from perfrun.config import config_dir, register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3", job_name="train"):
+        compose("train", return_hydra_config=True)
