@@ -17,6 +17,9 @@ FSDP2 over N ranks runs on one process with torch's fake process group.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Iterator
@@ -25,7 +28,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
 
 from perfrun.config import TrainConfig
 from perfrun.telemetry.memory_tracker import (
@@ -72,15 +74,18 @@ class Estimate:
                 "not_counted": self.not_counted, "seconds": round(self.seconds, 3)}
 
 
-def variant(cfg: TrainConfig | DictConfig, **changes: Any) -> TrainConfig:
-    """``cfg`` with dotted keys changed (``variant(cfg, **{"checkpointing.name": "full"})``);
-    ``cfg`` itself is never written."""
-    base = cfg if isinstance(cfg, DictConfig) else OmegaConf.structured(cfg)
-    dots = OmegaConf.create({})
-    for key, value in changes.items():
-        OmegaConf.update(dots, key, value, force_add=True)
-    merged = OmegaConf.merge(base, dots)
-    return OmegaConf.to_object(merged) if OmegaConf.get_type(merged) is not dict else merged  # type: ignore[return-value]
+def variant(cfg: TrainConfig, **changes: Any) -> TrainConfig:
+    """``cfg`` with dotted keys changed (``variant(cfg, **{"checkpointing.name": "full"})``),
+    as a copy: ``cfg`` itself is never written. (A copy of the typed tree takes ~0.3 ms on
+    2 cores; a round trip through OmegaConf took ~50 ms, and an estimate makes one.)"""
+    out = copy.deepcopy(cfg)
+    for dotted, value in changes.items():
+        *parents, name = dotted.split(".")
+        node = functools.reduce(getattr, parents, out)
+        if name not in {f.name for f in dataclasses.fields(node)}:
+            raise KeyError(f"{dotted}: {type(node).__name__} has no key {name!r}")
+        setattr(node, name, value)
+    return out
 
 
 def target_device(cfg: TrainConfig) -> tuple[torch.device, str]:
