@@ -5,6 +5,7 @@ training on a GPU that has FP8 tensor cores."""
 from __future__ import annotations
 
 import copy
+import importlib.util
 import math
 from contextlib import ExitStack
 from typing import Any
@@ -25,10 +26,19 @@ from perfrun.knobs import Plan
 from perfrun.knobs.fp8 import RECIPES, apply, check, choose_layers, convert, inner_rows, refusal
 from perfrun.models.gpt import GPT, GPTConfig
 
-pytest.importorskip("torchao")
-from torchao.float8.float8_linear import Float8Linear  # noqa: E402
+# torchao is imported by the tests that use it (2 s on 2 cores): a test process that collects
+# this file and runs none of them is spared it
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="needs torchao")
 
 BLOCK_LINEARS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+
+
+@pytest.fixture
+def float8_linear() -> type[nn.Module]:
+    """torchao's FP8 layer, the type a converted Linear becomes."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    return Float8Linear
 
 
 def fp8_cfg(recipe: str = "tensorwise", batch: Any = 4, seq_len: int | None = None) -> TrainConfig:
@@ -43,7 +53,7 @@ def tiny_gpt(n_embd: int = 32) -> GPT:
     return GPT(GPTConfig(vocab_size=64, block_size=32, n_layer=2, n_head=2, n_embd=n_embd))
 
 
-def test_refused_on_this_cpu_in_one_line_before_touching_the_model() -> None:
+def test_refused_on_this_cpu_in_one_line_before_touching_the_model(float8_linear: type[nn.Module]) -> None:
     model = tiny_gpt()
     with pytest.raises(ConfigError) as err:
         check(fp8_cfg(), torch.device("cpu"))
@@ -52,7 +62,7 @@ def test_refused_on_this_cpu_in_one_line_before_touching_the_model() -> None:
     assert "\n" not in message
     with pytest.raises(ConfigError, match="needs a CUDA GPU"), ExitStack() as stack:
         apply(fp8_cfg(), torch.device("cpu"), Plan(model=model, raw_model=model), stack)
-    assert not any(isinstance(m, Float8Linear) for m in model.modules())
+    assert not any(isinstance(m, float8_linear) for m in model.modules())
 
 
 @pytest.mark.parametrize("device_type, capability, torchao, says", [
@@ -77,7 +87,7 @@ def test_unknown_recipe_is_refused() -> None:
         check(fp8_cfg("blockwise"), torch.device("cpu"))
 
 
-def test_other_precisions_are_left_alone() -> None:
+def test_other_precisions_are_left_alone(float8_linear: type[nn.Module]) -> None:
     cfg = fp8_cfg()
     cfg.precision.name = "bf16"
     model = tiny_gpt()
@@ -85,7 +95,7 @@ def test_other_precisions_are_left_alone() -> None:
     check(cfg, torch.device("cpu"))
     with ExitStack() as stack:
         apply(cfg, torch.device("cpu"), plan, stack)
-    assert "fp8" not in plan.notes and not any(isinstance(m, Float8Linear) for m in model.modules())
+    assert "fp8" not in plan.notes and not any(isinstance(m, float8_linear) for m in model.modules())
 
 
 def test_filter_converts_the_block_linears_and_keeps_the_tied_head() -> None:
@@ -118,11 +128,11 @@ def test_filter_keeps_shapes_fp8_cannot_take() -> None:
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_conversion_on_the_cpu_swaps_the_chosen_layers(recipe: str) -> None:
+def test_conversion_on_the_cpu_swaps_the_chosen_layers(recipe: str, float8_linear: type[nn.Module]) -> None:
     model = tiny_gpt()
     names = list(model.state_dict())
     layers = convert(model, recipe, tokens=4 * 32)
-    converted = sorted(n for n, m in model.named_modules() if isinstance(m, Float8Linear))
+    converted = sorted(n for n, m in model.named_modules() if isinstance(m, float8_linear))
     assert converted == sorted(layers.convert) and len(converted) == 8
     assert type(model.lm_head) is nn.Linear and model.lm_head.weight is model.wte.weight  # still tied
     assert list(model.state_dict()) == names  # checkpoints keep their keys
