@@ -76,10 +76,23 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PERFRUN_CACHE=${PERFRUN_CACH
   PYTHONUNBUFFERED=1
 GPT2="model=gpt2 data=synthetic dataloader.batch_size=16 device=cuda precision=bf16"
 
+# The software a figure was measured with, one line: Python, torch, CUDA, cuDNN, NCCL, torchao and
+# Hydra (one interpreter start, made once: machine.txt and every digest carry it).
+software() {
+  "$REAL_PY" -c "
+import importlib.metadata as m, platform, torch
+def v(n):
+    try: return m.version(n)
+    except m.PackageNotFoundError: return 'not installed'
+cuda = torch.cuda.is_available()
+print(f'Python {platform.python_version()}, torch {torch.__version__}, CUDA {torch.version.cuda}, '
+      f'cuDNN {torch.backends.cudnn.version()}, NCCL {\".\".join(map(str, torch.cuda.nccl.version())) if cuda else None}, '
+      f'torchao {v(\"torchao\")}, Hydra {v(\"hydra-core\")}')" 2>&1 | tail -1
+}
+
 machine() {
-  { nvidia-smi -L; "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
-'nccl', torch.cuda.nccl.version() if torch.cuda.is_available() else None)"; git rev-parse HEAD 2>/dev/null; date -u; } \
-    > "$R/machine.txt" 2>&1
+  SOFTWARE=$(software)
+  { nvidia-smi -L; echo "$SOFTWARE"; git rev-parse HEAD 2>/dev/null; date -u; } > "$R/machine.txt" 2>&1
   cat "$R/machine.txt"
 }
 
@@ -94,15 +107,7 @@ digest_header() {  # digest_header SUITE
     echo "- machine: $(nvidia-smi --query-gpu=name,memory.total,driver_version,power.limit --format=csv,noheader \
 2>/dev/null | head -1 | sed 's/, /, driver /2; s/, \([0-9.]* W\)$/, power limit \1/' || echo 'no nvidia-smi'); \
 $(nproc) CPUs"
-    echo "- software: $("$REAL_PY" -c "
-import importlib.metadata as m, platform, torch
-def v(n):
-    try: return m.version(n)
-    except m.PackageNotFoundError: return 'not installed'
-cuda = torch.cuda.is_available()
-print(f'Python {platform.python_version()}, torch {torch.__version__}, CUDA {torch.version.cuda}, '
-      f'cuDNN {torch.backends.cudnn.version()}, NCCL {\".\".join(map(str, torch.cuda.nccl.version())) if cuda else None}, '
-      f'torchao {v(\"torchao\")}, Hydra {v(\"hydra-core\")}')" 2>&1 | tail -1)"
+    echo "- software: ${SOFTWARE:-$(software)}"
     echo "- perfrun: commit $commit$dirty"
     echo
   } >> "$DIGEST"
@@ -346,7 +351,10 @@ smoke_row() {  # smoke_row PATH LOGNAME CAP NOTE CMD...
 
 # Does this checkout have it? Decided by looking, under --dry-run too (the dry run prints the skip).
 has_model() { [ -f "conf/model/$1.yaml" ]; }
-has_command() { "$REAL_PY" -m perfrun "$1" --help > /dev/null 2>&1; }
+has_command() {  # the command is in this checkout's list (read without importing torch)
+  "$REAL_PY" -c "import sys; from perfrun.commands.dispatch import COMMANDS; sys.exit(sys.argv[1] not in COMMANDS)" "$1" \
+    > /dev/null 2>&1
+}
 
 suite_smoke() {
   SMOKE_END=$((SECONDS + SMOKE_BUDGET_S))
