@@ -40,10 +40,10 @@ if sys.dont_write_bytecode:
     compileall.compile_dir(REPO / "perfrun", quiet=1)
     sys.dont_write_bytecode = False
 
-# A model small enough that a 30-step job takes about a second on 2 cores.
+# A model small enough that a 20-step job takes well under a second on 2 cores.
 TINY_MODEL = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=32"]
 TINY = [
-    *TINY_MODEL, "dataloader.batch_size=4", "max_steps=30", "log_every=5", "eval_every=0", "eval_batches=2",
+    *TINY_MODEL, "dataloader.batch_size=4", "max_steps=20", "log_every=5", "eval_every=0", "eval_batches=2",
     "monitor.every_n_steps=0", "device=cpu", "progress=off", "optim.warmup_steps=5",
 ]
 

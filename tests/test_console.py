@@ -23,6 +23,8 @@ from perfrun.telemetry.sinks import TIME_WIDTH, ConsoleReporter, gpu_parts, step
 
 from conftest import TINY, child_env, launch, perfrun_process
 
+TINY_STEPS = next(int(a.split("=")[1]) for a in TINY if a.startswith("max_steps="))  # logged every 5
+
 TIMED = re.compile(r"^\d\d:\d\d:\d\d \S")  # "06:12:01 message"
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07")
 
@@ -104,11 +106,11 @@ def test_a_piped_run_prints_timed_lines_that_fit_and_says_where_its_files_are(
     assert lines[0].endswith(f"run dir {shown}")
     assert lines[-1].endswith(f"run dir {shown}: checkpoints/, metrics.jsonl, summary.json, train.log")
     assert all(TIMED.match(line) for line in lines), r.out
-    steps = [line for line in lines if re.search(r" step \d+/30 loss ", line)]
-    assert len(steps) == 6 and all(len(line) <= 80 for line in steps)  # every 5 of 30 steps, one line each
+    steps = [line for line in lines if re.search(rf" step \d+/{TINY_STEPS} loss ", line)]
+    assert len(steps) == TINY_STEPS // 5 and all(len(line) <= 80 for line in steps)  # every 5 steps, one line each
     assert not any("monitor step" in line or "host CPU" in line for line in lines)  # a CPU's samples stay in the file
     monitor = [line for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"monitor"' in line]
-    assert len(monitor) == 6
+    assert len(monitor) == TINY_STEPS // 5
 
 
 def test_on_an_80_column_terminal_each_log_point_is_one_line(tmp_path: Path) -> None:
@@ -134,8 +136,8 @@ def test_on_an_80_column_terminal_each_log_point_is_one_line(tmp_path: Path) -> 
     assert proc.wait(timeout=240) == 0, out.decode(errors="replace")
     text = ANSI.sub("", out.decode(errors="replace")).replace("\r", "\n")
     lines = [line.rstrip() for line in text.split("\n") if line.strip()]
-    steps = [i for i, line in enumerate(lines) if re.match(r"^\d\d:\d\d:\d\d step \d+/30 loss", line)]
-    assert len(steps) == 6, text
+    steps = [i for i, line in enumerate(lines) if re.match(rf"^\d\d:\d\d:\d\d step \d+/{TINY_STEPS} loss", line)]
+    assert len(steps) == TINY_STEPS // 5, text
     for i in steps:
         assert len(lines[i]) <= 80 and not lines[i + 1].startswith(" " * TIME_WIDTH)  # no wrapped remainder
-    assert any(line.startswith("train ") and "/30" in line for line in lines)  # the progress bar
+    assert any(line.startswith("train ") and f"/{TINY_STEPS}" in line for line in lines)  # the progress bar
