@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import os
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -112,16 +113,23 @@ def install() -> None:
     """Keep Hydra's compositions in this process (once; a second call does nothing)."""
     if _swapped:
         return
-    import hydra._internal.config_loader_impl as loader_impl
-    from hydra._internal.config_repository import CachingConfigRepository, ConfigRepository
-    from hydra._internal.defaults_list import DefaultsList, Overrides
-    from hydra.core.config_store import ConfigStore
-    from omegaconf import OmegaConf
+    try:  # Hydra's internals as 1.3.x has them; another Hydra composes as it always does, only slower
+        import hydra._internal.config_loader_impl as loader_impl
+        from hydra._internal.config_repository import CachingConfigRepository, ConfigRepository
+        from hydra._internal.defaults_list import DefaultsList, Overrides
+        from hydra.core.config_store import ConfigStore
+        from omegaconf import OmegaConf
 
-    load_config: Callable[..., Any] = ConfigRepository.load_config
-    caching_load: Callable[..., Any] = CachingConfigRepository.load_config
-    create_defaults_list: Callable[..., Any] = loader_impl.create_defaults_list
-    merge: Callable[..., Any] = loader_impl.ConfigLoaderImpl._compose_config_from_defaults_list
+        load_config: Callable[..., Any] = ConfigRepository.load_config
+        caching_load: Callable[..., Any] = CachingConfigRepository.load_config
+        create_defaults_list: Callable[..., Any] = loader_impl.create_defaults_list
+        merge: Callable[..., Any] = loader_impl.ConfigLoaderImpl._compose_config_from_defaults_list
+    except (ImportError, AttributeError) as e:
+        import hydra
+
+        warnings.warn(f"Hydra {hydra.__version__} has other internals ({e}): its compositions are not kept, "
+                      "so the suite runs slower", stacklevel=2)
+        return
 
     def cached_load(self: Any, config_path: str) -> Any:
         key = (tuple(source.full_path() for source in self.get_sources()), config_path)
@@ -186,6 +194,11 @@ def install() -> None:
     ])
     for owner, name, _, kept in _swapped:
         setattr(owner, name, kept)
+
+
+def active() -> bool:
+    """Whether this process keeps Hydra's compositions."""
+    return bool(_swapped)
 
 
 def forget() -> None:

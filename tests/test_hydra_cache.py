@@ -48,6 +48,8 @@ def _but_the_time(composed: dict[str, Any]) -> dict[str, Any]:
 
 @pytest.fixture
 def conf(tmp_path: Path) -> Iterator[Path]:
+    if not hydra_cache.active():
+        pytest.skip("this Hydra's compositions are not kept (see the session's warning)")
     register_configs()
     folder = tmp_path / "conf"
     shutil.copytree(config_dir(), folder)
