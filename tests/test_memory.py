@@ -112,8 +112,9 @@ def test_module_statistics_read_quickly_give_torchs_figures(monkeypatch: pytest.
     ours = estimate(cfg, 256, top=5).to_dict()
     monkeypatch.setattr(memory_tracker, "ModuleStats", type("TorchsOwn", (WeakIdKeyDictionary,), {}))
     torchs = estimate(cfg, 256, top=5).to_dict()
-    assert ours["modules"] and ours.pop("seconds") >= 0 and torchs.pop("seconds") >= 0
-    assert ours == torchs
+    for doc in (ours, torchs):
+        del doc["seconds"]  # the one figure that differs: how long each took
+    assert ours["modules"] and ours == torchs
     stats = quick()
     kept, gone = torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)
     stats[kept], stats[gone] = "kept", "gone"

@@ -20,6 +20,7 @@ ends when the pipe ``ALIVE_FD`` reads is closed).
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import os
@@ -55,7 +56,9 @@ RUNTIME_PREFIXES = ("SUBMITIT_",)
 CUDA_ENV = frozenset({"CUDA_VISIBLE_DEVICES"})
 
 
+@functools.cache
 def _without_cuda() -> bool:
+    """Whether this torch has no CUDA (asked once: it cannot change while the process runs)."""
     import torch
 
     return torch.version.cuda is None and not torch.cuda.is_available()
