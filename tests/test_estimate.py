@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from perfrun.commands import estimate as estimate_command
-from perfrun.loop.memory.estimate import EstimateError, estimate
+from perfrun.loop.memory.estimate import EstimateError, estimate, optimizer_state
 from perfrun.loop.memory.fit import largest_batch, parse_size
 from perfrun.telemetry.memory_tracker import CATEGORIES
 
@@ -57,6 +57,31 @@ def test_the_estimate_equals_the_same_steps_on_real_tensors(overrides: list[str]
     _close(fake.breakdown.categories, real.breakdown.categories, merge_temp=cfg.checkpointing.name != "none")
     assert abs(fake.peak_bytes - real.peak_bytes) <= 0.02 * real.peak_bytes
     assert [m.name for m in fake.breakdown.modules][:1] == [m.name for m in real.breakdown.modules][:1]
+
+
+@pytest.mark.parametrize("fused", ["true", "false"])
+def test_the_optimizer_state_is_what_a_training_steps_is(fused: str) -> None:
+    """The estimate makes the state by a step on zero gradients instead of a whole training
+    step: the same tensors (shapes, dtypes, devices) and step counts, and no gradient left."""
+    from perfrun.loop.optimizer import build_optimizer
+    from perfrun.models.build import build_model
+
+    cfg = make_cfg(*SMALL, f"optim.fused={fused}")
+    device = torch.device("cpu")
+    trained, zeroed = (build_model(cfg.model, VOCAB, cfg.attention) for _ in range(2))
+    x = torch.randint(0, VOCAB, (2, int(cfg.model.block_size)))
+    (opt_a, _), (opt_b, _) = (build_optimizer(m, cfg.optim, device) for m in (trained, zeroed))
+    trained(x, x)[1].backward()
+    opt_a.step()
+    params = [p for p in zeroed.parameters() if p.requires_grad]
+    optimizer_state(opt_b, params)
+
+    def described(opt: torch.optim.Optimizer) -> list[dict[str, tuple[object, ...]]]:
+        return [{k: (tuple(v.shape), v.dtype, v.device, float(v) if k == "step" else None) for k, v in st.items()}
+                for st in opt.state_dict()["state"].values()]
+
+    assert described(opt_b) == described(opt_a) and len(described(opt_a)) == len(params)
+    assert all(p.grad is None for p in params)
 
 
 def test_checkpointing_and_chunked_loss_take_what_they_should() -> None:

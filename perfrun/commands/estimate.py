@@ -1,6 +1,7 @@
 """``perfrun estimate [overrides]``: the memory a training configuration will need, before
 anything runs (:mod:`perfrun.loop.memory.estimate`: the run's model, knobs, optimizer, loss and
-batch under fake tensors, two steps, the second under torch's memory tracker, nothing allocated).
+batch under fake tensors, the optimizer's state made, one step under torch's memory tracker,
+nothing allocated).
 
 A Hydra app over the trainer's configuration (conf/estimate.yaml lists train first, so
 every ``perfrun train`` override works here) with its own keys under ``estimate``. It

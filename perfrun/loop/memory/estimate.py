@@ -1,8 +1,10 @@
 """The memory a configuration will need, before anything runs: the run's model, knobs,
 optimizer, loss and batch built under fake tensors (shapes and dtypes, no storage) and
-two optimizer steps taken, the second under torch's memory tracker (the first creates the
-optimizer state, which the second holds throughout: its peak is the steady step's, and the
-tracker's bookkeeping of every operator is spent on it alone). The tracker counts the same
+the optimizer's state created, then one optimizer step taken under torch's memory tracker
+(the state is held throughout that step: its peak is the steady step's). The state is made
+by the optimizer's own step on zero gradients, which allocates what a first training step's
+would, without a forward and backward under fake tensors (the most costly part of an
+estimate; tests/test_estimate.py holds the state equal to a training step's). The tracker counts the same
 bytes, category by category, as it does on real tensors (tests/test_estimate.py holds it
 to the measured breakdown within 2 %), so the estimate is exact where the tracker is; what
 it cannot see is said in ``not_counted``, and the figures are always labelled an estimate.
@@ -32,7 +34,6 @@ import torch
 from perfrun.config import TrainConfig
 from perfrun.telemetry.memory_tracker import (
     Breakdown,
-    ModuleStack,
     Tracker,
     data_dependent_op,
     fake_mode,
@@ -99,7 +100,7 @@ def target_device(cfg: TrainConfig) -> tuple[torch.device, str]:
 
 
 def estimate(cfg: TrainConfig, vocab_size: int, *, batch_size: int | None = None, top: int = 10, fake: bool = True) -> Estimate:
-    """The peak of the second of two optimizer steps of ``cfg`` at ``batch_size`` (default the config's),
+    """The peak of a steady optimizer step of ``cfg`` at ``batch_size`` (default the config's),
     under fake tensors. Raises EstimateError with one line where it cannot. ``fake=False``
     takes the same steps on real tensors: a measurement (what the tests hold the estimate to)."""
     missing = tracker_missing()
@@ -145,8 +146,8 @@ def _estimated_config(cfg: TrainConfig, device: torch.device, target: str) -> tu
 @contextmanager
 def _steps(cfg: TrainConfig, device: torch.device, vocab_size: int, batch: int, seq_len: int,
            fake: bool) -> Iterator[Tracker]:
-    """Build everything under fake tensors and run two optimizer steps, the second under the
-    tracker; yield the tracker (its figures stay readable after the fake mode ends)."""
+    """Build everything under fake tensors, create the optimizer's state and run one optimizer
+    step under the tracker; yield the tracker (its figures stay readable after the fake mode ends)."""
     from perfrun.knobs import apply_knobs
     from perfrun.loop.optimizer import build_optimizer
     from perfrun.models.build import build_model
@@ -163,12 +164,8 @@ def _steps(cfg: TrainConfig, device: torch.device, vocab_size: int, batch: int, 
         optimizer, _ = build_optimizer(plan.raw_model, cfg.optim, device)
         params = [p for p in plan.raw_model.parameters() if p.requires_grad]
         clip = float(cfg.optim.grad_clip) if cfg.optim.grad_clip > 0 else float("inf")
-        with ModuleStack(plan.raw_model) as first:  # the first step creates the optimizer state, untracked
-            try:
-                _fake_step(plan, optimizer, params, clip, batch, seq_len, vocab_size, device, None)
-            except Exception as e:  # noqa: BLE001 - said in one line, with the module it ran in
-                raise _one_line(e, first.active_modules()) from e
-        # the second, tracked, holds all of it: the steady step's peak, which no step of the run exceeds
+        optimizer_state(optimizer, params)  # untracked: the step below holds it throughout
+        # the steady step's peak, which no step of the run exceeds
         tracker = Tracker(plan.raw_model, optimizer, fsdp=cfg.distributed == "fsdp")
         with tracker:
             try:
@@ -176,6 +173,15 @@ def _steps(cfg: TrainConfig, device: torch.device, vocab_size: int, batch: int, 
             except Exception as e:  # noqa: BLE001 - said in one line, with the module it ran in
                 raise _one_line(e, tracker.active_modules()) from e
         yield tracker
+
+
+def optimizer_state(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
+    """Create the optimizer's state as its first step does, by that step on zero gradients
+    (the parameters move by weight decay alone; the gradients are dropped after)."""
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 def _one_line(e: BaseException, modules: list[str]) -> EstimateError:
@@ -191,13 +197,12 @@ def _one_line(e: BaseException, modules: list[str]) -> EstimateError:
 
 
 def _fake_step(plan: Any, optimizer: torch.optim.Optimizer, params: list[torch.Tensor], clip: float, batch: int,
-               seq_len: int, vocab_size: int, device: torch.device, tracker: Tracker | None) -> None:
+               seq_len: int, vocab_size: int, device: torch.device, tracker: Tracker) -> None:
     """One optimizer step as perfrun/loop/step.py takes it, on random fake tokens (the
     tracker's module figures start again at each micro-step: they are per forward)."""
     micro = plan.micro_steps
     for i in range(micro):
-        if tracker is not None:
-            tracker.new_step()
+        tracker.new_step()
         x = torch.randint(0, vocab_size, (batch, seq_len), device=device)
         y = torch.randint(0, vocab_size, (batch, seq_len), device=device)
         with plan.micro_step_context(i, micro):
