@@ -275,6 +275,9 @@ def child_env(**settings: str) -> dict[str, str]:
 
 
 _warm: list[Server] = []  # this test process's warm interpreter
+# the model most of the suite's commands train: the warm interpreter counts its FLOPs once
+# (the count depends on the model, not on the data it is given)
+WARM_MODEL = [*TINY_MODEL, "data=synthetic", "data.vocab_size=256"]
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -282,7 +285,7 @@ def _warm_interpreter(_cache_dir: None, _one_thread_per_process: None) -> Iterat
     """Started with the session's environment (its cache, one thread), before any test
     changes it: a command run with that environment is forked from it."""
     try:
-        _warm.append(Server(Path(tempfile.mkdtemp(prefix="perfrun-warm-")), child_env()))
+        _warm.append(Server(Path(tempfile.mkdtemp(prefix="perfrun-warm-")), child_env(), counted=[WARM_MODEL]))
     except RuntimeError as e:  # the commands then start fresh interpreters, as they would without it
         warnings.warn(f"{e}: every perfrun process of this test process starts a fresh interpreter", stacklevel=1)
     if _warm and _warm[0].printed:

@@ -14,8 +14,9 @@ What a fresh interpreter reads before running any code (``PYTHON*`` settings, ``
 read: a command whose environment differs from the server's in anything but the runtime
 settings below starts a fresh interpreter, as before.
 
-Run as a script, this file is the server: ``python warm_processes.py SOCKET ALIVE_FD`` (it
-ends when the pipe ``ALIVE_FD`` reads is closed).
+Run as a script, this file is the server: ``python warm_processes.py SOCKET ALIVE_FD [MODELS]``
+(it ends when the pipe ``ALIVE_FD`` reads is closed; MODELS, a JSON list of lists of model
+overrides: their FLOPs are counted before any child is forked, see :func:`_count_flops`).
 """
 
 from __future__ import annotations
@@ -71,13 +72,14 @@ PRELOAD = ("torch", "torch._dynamo", "torch.distributed.run", "hydra", "perfrun.
 class Server:
     """The warm interpreter of one test process, started with the environment ``env``."""
 
-    def __init__(self, folder: Path, env: dict[str, str]) -> None:
+    def __init__(self, folder: Path, env: dict[str, str], counted: list[list[str]] | None = None) -> None:
         self.env = dict(env)
         self.path = str(folder / "warm.sock")
         log = folder / "warm.log"
         alive, self.alive = os.pipe()  # the server ends when this end closes: with this process
         with log.open("w") as out:  # the server is a grandchild (a daemon), so that it is no child
-            starter = subprocess.Popen([sys.executable, __file__, self.path, str(alive)], env=self.env,  # here
+            starter = subprocess.Popen([sys.executable, __file__, self.path, str(alive), json.dumps(counted or [])],
+                                       env=self.env,  # here
                                        stdin=subprocess.DEVNULL, stdout=out, stderr=out, pass_fds=[alive])
         os.close(alive)
         starter.wait()
@@ -353,6 +355,27 @@ def _exit_code(code: Any) -> int:
     return 1
 
 
+def _count_flops(models: list[list[str]]) -> None:
+    """Count the training FLOPs of each model (``perfrun train`` overrides) on one item, as a
+    run's setup does: a child that runs one of them finds it counted, as the second job of a
+    sweep does in one process, and any child finds FakeTensorMode's first use in a process
+    done (without either, a tiny run's count took 0.3-0.5 s of CPU in every child)."""
+    import torch
+    from hydra import compose, initialize_config_dir
+
+    from perfrun.config import config_dir, typed
+    from perfrun.models.build import build_model
+    from perfrun.models.flops import flops_figure
+
+    for overrides in models:
+        with initialize_config_dir(config_dir=config_dir(), version_base="1.3", job_name="train"):
+            cfg = typed(compose("train", overrides=overrides))
+        vocab = int(cfg.data.vocab_size)
+        seq_len = int(cfg.data.seq_len or cfg.model.block_size)
+        item = torch.zeros(seq_len, dtype=torch.int64)
+        flops_figure(build_model(cfg.model, vocab, cfg.attention), (item, item), seq_len)
+
+
 def _run_and_end(module: str) -> None:
     """Run ``module`` as ``python -m`` does and end as its interpreter ends (an uncaught
     exception's traceback, non-daemon threads joined, atexit, the streams flushed, the exit
@@ -404,6 +427,7 @@ if __name__ == "__main__":
         hydra_cache.install()
     if hydra_cache.active():
         hydra_cache.warm()
+    _count_flops(json.loads(sys.argv[3]))
     here = Server.attach(sys.argv[1], dict(os.environ))  # as this server's children reach it
     _ranks_forked_here(here)
     subprocess.Popen = launchers_forked(here, subprocess.Popen)  # type: ignore[misc]
