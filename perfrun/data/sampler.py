@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 
 import torch
@@ -35,8 +36,7 @@ class ResumableSampler(Sampler[int]):
         self.epoch, self.start = epoch, start
 
     def __iter__(self) -> Iterator[int]:
-        g = torch.Generator().manual_seed(self.seed + self.epoch)
-        order = torch.randperm(self.n, generator=g)[self.start:]
+        order = epoch_order(self.n, self.seed + self.epoch)[self.start:]
         order = order[: len(order) - len(order) % self.world][self.rank::self.world]
         # handed out a chunk at a time: the whole epoch as Python ints took 40 bytes an index
         # (168 MB for 4M windows, tracemalloc) and most of the time of a short job's first batch
@@ -45,3 +45,12 @@ class ResumableSampler(Sampler[int]):
 
     def __len__(self) -> int:
         return (self.n - self.start) // self.world
+
+
+@functools.lru_cache(maxsize=1)
+def epoch_order(n: int, seed: int) -> torch.Tensor:
+    """The permutation of ``n`` drawn from ``seed`` (read only: every use takes views). The
+    last one drawn is kept: the jobs of a sweep run in one process and draw the same epoch
+    of the same data (8 bytes an index; a draw of the byte-level stdlib's 900K windows at
+    seq_len 32 took 16-30 ms on a 2-core EPYC, of 8.8M windows 0.35-0.38 s)."""
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed))
