@@ -6,6 +6,7 @@ import json
 import os
 import pickle
 import sys
+import sysconfig
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -396,6 +397,25 @@ def test_pysource_split_excludes_site_packages_and_rebuilds_a_damaged_cache(
     train_bin.write_bytes(train_bin.read_bytes()[:100])
     again = build_datasets(cfg, 8, 0)
     assert "built" in again.description and train_bin.stat().st_size == 2 * again.train.n_tokens
+
+
+def test_the_interpreters_own_stdlib_is_listed_once_and_any_other_folder_each_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    listed: list[Path] = []
+    listing = P._listed
+    monkeypatch.setattr(P, "_listed", lambda folder: listed.append(folder) or listing(folder))
+    P._own_stdlib_files.cache_clear()
+    own = Path(sysconfig.get_paths()["stdlib"])
+    first = P.pysource_files(own)
+    first.clear()  # a caller's copy: what is kept stays whole
+    assert P.pysource_files(own) == listing(own) and listed == [own]
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    (lib / "a.py").write_text("A = 1\n")
+    assert [r for r, _ in P.pysource_files(lib)] == ["a.py"]
+    (lib / "b.py").write_text("B = 2\n")
+    assert [r for r, _ in P.pysource_files(lib)] == ["a.py", "b.py"] and listed == [own, lib, lib]
 
 
 def test_pysource_failed_write_leaves_no_cache(

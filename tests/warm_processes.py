@@ -428,6 +428,9 @@ if __name__ == "__main__":
     if hydra_cache.active():
         hydra_cache.warm()
     _count_flops(json.loads(sys.argv[3]))
+    from perfrun.data.pysource import pysource_files, stdlib_dir
+
+    pysource_files(stdlib_dir())  # listed once per process, as data=pysource (the default) lists it
     here = Server.attach(sys.argv[1], dict(os.environ))  # as this server's children reach it
     _ranks_forked_here(here)
     subprocess.Popen = launchers_forked(here, subprocess.Popen)  # type: ignore[misc]

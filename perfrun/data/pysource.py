@@ -3,6 +3,7 @@ nanoGPT-style uint16 cache and memory-mapped afterwards (reading is nearly free)
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -31,7 +32,23 @@ def stdlib_dir() -> Path:
 
 def pysource_files(stdlib: Path) -> list[tuple[str, int]]:
     """(relative posix path, size) of every ``*.py`` under stdlib, sorted; installed
-    packages (``site-packages``, ``dist-packages``) are not the standard library."""
+    packages (``site-packages``, ``dist-packages``) are not the standard library.
+
+    The running interpreter's own library is listed once per process: it does not change
+    while the interpreter runs, and each run listed its ~1,800 files again (17 ms on a
+    2-core EPYC, against 0.2-0.3 s for a whole 20-step tiny CPU job). Any other folder is
+    listed at each call."""
+    if stdlib == Path(sysconfig.get_paths()["stdlib"]):
+        return list(_own_stdlib_files(os.fspath(stdlib)))
+    return _listed(stdlib)
+
+
+@functools.cache
+def _own_stdlib_files(top: str) -> tuple[tuple[str, int], ...]:
+    return tuple(_listed(Path(top)))
+
+
+def _listed(stdlib: Path) -> list[tuple[str, int]]:
     out: list[tuple[str, int]] = []
     skip = {"site-packages", "dist-packages", "__pycache__"}
     top = os.fspath(stdlib)
