@@ -1,13 +1,14 @@
 """The memory a configuration will need, before anything runs: the run's model, knobs,
-optimizer, loss and batch built under fake tensors (shapes and dtypes, no storage) and
-the optimizer's state created, then one optimizer step taken under torch's memory tracker
-(the state is held throughout that step: its peak is the steady step's). The state is made
-by the optimizer's own step on zero gradients, which allocates what a first training step's
-would, without a forward and backward under fake tensors (the most costly part of an
-estimate; tests/test_estimate.py holds the state equal to a training step's). The tracker counts the same
-bytes, category by category, as it does on real tensors (tests/test_estimate.py holds it
-to the measured breakdown within 2 %), so the estimate is exact where the tracker is; what
-it cannot see is said in ``not_counted``, and the figures are always labelled an estimate.
+optimizer, loss and batch built under fake tensors (shapes and dtypes, no storage), the
+optimizer's state created, then one optimizer step taken under torch's memory tracker (the
+state is held throughout that step: its peak is the steady step's). The state is made by
+the optimizer's own step on zero gradients, which allocates what a first training step's
+would, without that step's forward and backward (under fake tensors, the costly part;
+tests/test_estimate.py holds the state equal to a training step's). The tracker counts the
+same bytes, category by category, as it does on real tensors (tests/test_estimate.py holds
+it to the measured breakdown within 2 %), so the estimate is exact where the tracker is;
+what it cannot see is said in ``not_counted``, and the figures are always labelled an
+estimate.
 
 What differs from the run, and is said: ``compile=true`` is estimated eager (compiled
 code usually needs no more); DDP as one process (its gradient buckets, about the size
