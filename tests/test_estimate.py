@@ -84,6 +84,35 @@ def test_the_optimizer_state_is_what_a_training_steps_is(fused: str) -> None:
     assert all(p.grad is None for p in params)
 
 
+SPARE = """
+from torch import nn
+from torch.nn import functional as F
+
+
+class WithSpare(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Embedding(64, 16), nn.Linear(16, 64)
+        self.spare = nn.Linear(16, 4096)  # never called: no gradient, so no optimizer state
+
+    def forward(self, idx, targets=None):
+        logits = self.head(self.embed(idx))
+        return logits, None if targets is None else F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+"""
+
+
+def test_a_parameter_without_a_gradient_gets_no_optimizer_state(tmp_path: Path) -> None:
+    """A user's model that leaves a parameter out of its forward: AdamW makes no state for it
+    in a run, and neither does the estimate (its state is made by a first training step)."""
+    (tmp_path / "spare.py").write_text(SPARE)
+    cfg = make_cfg("model=custom", f"model.target={tmp_path / 'spare.py'}:WithSpare", "data=synthetic",
+                   "data.vocab_size=64", "model.block_size=16", tiny=False)
+    used, spare = 4 * (64 * 16 + 16 * 64 + 64), 4 * (16 * 4096 + 4096)  # float32 bytes
+    for fake in (True, False):
+        got = estimate(cfg, 64, fake=fake).breakdown.categories
+        assert got["Parameter"] == used + spare and got["Optstate"] == 2 * used + 3 * 4  # moments, a step count each
+
+
 def test_checkpointing_and_chunked_loss_take_what_they_should() -> None:
     base = estimate(make_cfg(*SMALL), VOCAB).breakdown.categories
     full = estimate(make_cfg(*SMALL, "checkpointing=full"), VOCAB).breakdown.categories

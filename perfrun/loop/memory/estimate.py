@@ -3,12 +3,13 @@ optimizer, loss and batch built under fake tensors (shapes and dtypes, no storag
 optimizer's state created, then one optimizer step taken under torch's memory tracker (the
 state is held throughout that step: its peak is the steady step's). The state is made by
 the optimizer's own step on zero gradients, which allocates what a first training step's
-would, without that step's forward and backward (under fake tensors, the costly part;
-tests/test_estimate.py holds the state equal to a training step's). The tracker counts the
-same bytes, category by category, as it does on real tensors (tests/test_estimate.py holds
-it to the measured breakdown within 2 %), so the estimate is exact where the tracker is;
-what it cannot see is said in ``not_counted``, and the figures are always labelled an
-estimate.
+would, without that step's forward and backward (under fake tensors, the costly part), where
+every trainable parameter gets a gradient: perfrun's own models. A user's model may leave a
+parameter without one, and so without state: its state is made by a first training step
+(tests/test_estimate.py holds both equal to a training step's). The tracker counts the same
+bytes, category by category, as it does on real tensors (tests/test_estimate.py holds it to
+the measured breakdown within 2 %), so the estimate is exact where the tracker is; what it
+cannot see is said in ``not_counted``, and the figures are always labelled an estimate.
 
 What differs from the run, and is said: ``compile=true`` is estimated eager (compiled
 code usually needs no more); DDP as one process (its gradient buckets, about the size
@@ -35,6 +36,7 @@ import torch
 from perfrun.config import TrainConfig
 from perfrun.telemetry.memory_tracker import (
     Breakdown,
+    ModuleStack,
     Tracker,
     data_dependent_op,
     fake_mode,
@@ -165,7 +167,14 @@ def _steps(cfg: TrainConfig, device: torch.device, vocab_size: int, batch: int, 
         optimizer, _ = build_optimizer(plan.raw_model, cfg.optim, device)
         params = [p for p in plan.raw_model.parameters() if p.requires_grad]
         clip = float(cfg.optim.grad_clip) if cfg.optim.grad_clip > 0 else float("inf")
-        optimizer_state(optimizer, params)  # untracked: the step below holds it throughout
+        if _trains_every_parameter(plan.raw_model):  # the state, untracked: the step below holds it throughout
+            optimizer_state(optimizer, params)
+        else:
+            with ModuleStack(plan.raw_model) as first:
+                try:
+                    _fake_step(plan, optimizer, params, clip, batch, seq_len, vocab_size, device, None)
+                except Exception as e:  # noqa: BLE001 - said in one line, with the module it ran in
+                    raise _one_line(e, first.active_modules()) from e
         # the steady step's peak, which no step of the run exceeds
         tracker = Tracker(plan.raw_model, optimizer, fsdp=cfg.distributed == "fsdp")
         with tracker:
@@ -174,6 +183,14 @@ def _steps(cfg: TrainConfig, device: torch.device, vocab_size: int, batch: int, 
             except Exception as e:  # noqa: BLE001 - said in one line, with the module it ran in
                 raise _one_line(e, tracker.active_modules()) from e
         yield tracker
+
+
+def _trains_every_parameter(model: torch.nn.Module) -> bool:
+    """perfrun's own models give every trainable parameter a gradient in each step (FSDP2
+    keeps the class among the sharded module's bases); a user's forward may leave one out."""
+    from perfrun.models.flops import OWN_MODELS
+
+    return any(cls.__module__ in OWN_MODELS for cls in type(model).__mro__)
 
 
 def optimizer_state(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
@@ -198,12 +215,13 @@ def _one_line(e: BaseException, modules: list[str]) -> EstimateError:
 
 
 def _fake_step(plan: Any, optimizer: torch.optim.Optimizer, params: list[torch.Tensor], clip: float, batch: int,
-               seq_len: int, vocab_size: int, device: torch.device, tracker: Tracker) -> None:
+               seq_len: int, vocab_size: int, device: torch.device, tracker: Tracker | None) -> None:
     """One optimizer step as perfrun/loop/step.py takes it, on random fake tokens (the
     tracker's module figures start again at each micro-step: they are per forward)."""
     micro = plan.micro_steps
     for i in range(micro):
-        tracker.new_step()
+        if tracker is not None:
+            tracker.new_step()
         x = torch.randint(0, vocab_size, (batch, seq_len), device=device)
         y = torch.randint(0, vocab_size, (batch, seq_len), device=device)
         with plan.micro_step_context(i, micro):
