@@ -218,6 +218,7 @@ def hydras_own() -> Iterator[None]:
         for owner, name, _, kept in _swapped:
             setattr(owner, name, kept)
 
+
 def warm() -> None:
     """Compose ``perfrun train`` once (its files, its defaults list, their merge), so that a
     process forked after this starts with them kept."""

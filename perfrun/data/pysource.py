@@ -39,13 +39,13 @@ def pysource_files(stdlib: Path) -> list[tuple[str, int]]:
     2-core EPYC, against 0.2-0.3 s for a whole 20-step tiny CPU job). Any other folder is
     listed at each call."""
     if stdlib == Path(sysconfig.get_paths()["stdlib"]):
-        return list(_own_stdlib_files(os.fspath(stdlib)))
+        return list(_own_stdlib_files(stdlib))
     return _listed(stdlib)
 
 
 @functools.cache
-def _own_stdlib_files(top: str) -> tuple[tuple[str, int], ...]:
-    return tuple(_listed(Path(top)))
+def _own_stdlib_files(stdlib: Path) -> tuple[tuple[str, int], ...]:
+    return tuple(_listed(stdlib))
 
 
 def _listed(stdlib: Path) -> list[tuple[str, int]]:

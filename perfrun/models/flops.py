@@ -73,6 +73,7 @@ def register_cpu_attention() -> None:
 
 
 # perfrun's own models, whose forward is a function of their ``config`` and parameters alone
+# and gives every trainable parameter a gradient (the memory estimate relies on that too)
 OWN_MODELS = ("perfrun.models.gpt", "perfrun.models.llama")
 # their counts in this process, by configuration: a sweep's jobs run in one process (Hydra's
 # basic launcher) and most share a model, which is then counted once (0.4 s for GPT-2 small)
