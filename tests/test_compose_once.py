@@ -159,3 +159,19 @@ def test_the_tests_configuration_is_a_whole_compose(overrides: list[str]) -> Non
     assert make_cfg(*overrides) == whole
     with pytest.raises(type(hydra_says.value)):
         make_cfg(*overrides, "max_steps=abc")
+
+
+@pytest.mark.parametrize("command", ["estimate", "export", "generate", "prepare"])
+def test_a_commands_schema_is_stored_once_per_process(command: str) -> None:
+    """A command's second start in one process (a sweep's jobs, a test's calls) keeps the node
+    the first stored: a new node is a changed ConfigStore, for Hydra's compositions kept by
+    the suite and for anything else keyed on it."""
+    from importlib import import_module
+
+    from hydra.core.config_store import ConfigStore
+
+    app = import_module(f"perfrun.commands.{command}").COMMAND
+    app.register()
+    node = ConfigStore.instance().repo[f"{command}_schema.yaml"]
+    app.register()
+    assert ConfigStore.instance().repo[f"{command}_schema.yaml"] is node

@@ -55,10 +55,12 @@ class EstimateCommand(HydraCommand):
         from perfrun.config import register_configs
 
         register_configs()
-        node = OmegaConf.structured(EstimateJobConfig)
-        for f in fields(TrainConfig):
-            node[f.name] = MISSING
-        ConfigStore.instance().store(name="estimate_schema", node=node)
+        store = ConfigStore.instance()
+        if "estimate_schema.yaml" not in store.repo:  # once per process, as register_tune_schema
+            node = OmegaConf.structured(EstimateJobConfig)
+            for f in fields(TrainConfig):
+                node[f.name] = MISSING
+            store.store(name="estimate_schema", node=node)
         text = keys_help(EstimateOptions)
         OmegaConf.register_new_resolver("perfrun_keys", lambda: text, replace=True)
 

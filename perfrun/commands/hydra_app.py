@@ -95,7 +95,9 @@ class HydraCommand:
         from hydra.core.config_store import ConfigStore
         from omegaconf import OmegaConf
 
-        ConfigStore.instance().store(name=f"{self.name}_schema", node=self.schema)
+        store = ConfigStore.instance()
+        if f"{self.name}_schema.yaml" not in store.repo:  # once per process, as register_configs
+            store.store(name=f"{self.name}_schema", node=self.schema)
         text = keys_help(self.schema)  # conf/NAME.yaml's help template reads it as ${perfrun_keys:}
         OmegaConf.register_new_resolver("perfrun_keys", lambda: text, replace=True)
 
