@@ -12,6 +12,10 @@ pick files are kept here, per process, and each use takes a copy:
   is unchanged: the value overrides are Hydra's own, classified afresh each time;
 - the merge of that list (``_compose_config_from_defaults_list``), under the same condition.
 
+Each is kept pickled, in memory: unpickling makes a copy of an OmegaConf tree 5-14 times
+faster than ``copy.deepcopy`` (the merged ``train`` 1.5 ms against 21 ms on the 2-core EPYC).
+Whether a file of an installed package exists is asked once (the package cannot change).
+
 Everything else, the value overrides applied in struct mode, the ``hydra`` node and every
 error, is Hydra's own code, run each time; a composition that fails is never kept. A file is
 "unchanged" while the source that serves it, its size, modification time and inode are
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import os
+import pickle
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -30,9 +35,10 @@ from typing import Any
 
 _swapped: list[tuple[object, str, object, object]] = []  # (owner, name, Hydra's, the one kept here)
 _recording: list[list[tuple[str, str | None, object]]] = []  # one list of reads per cached step in progress
-_loaded: dict[tuple[Any, ...], tuple[object, Any]] = {}
-_defaults: dict[tuple[Any, ...], tuple[tuple[tuple[str, str | None, object], ...], Any]] = {}
-_merged: dict[tuple[Any, ...], tuple[tuple[tuple[str, str | None, object], ...], Any]] = {}
+_loaded: dict[tuple[Any, ...], tuple[object, bytes]] = {}
+_defaults: dict[tuple[Any, ...], tuple[tuple[tuple[str, str | None, object], ...], bytes]] = {}
+_merged: dict[tuple[Any, ...], tuple[tuple[tuple[str, str | None, object], ...], bytes]] = {}
+_in_package: dict[tuple[str, str], bool] = {}  # (a pkg:// source, a config path): whether it serves it
 
 
 class _Same:
@@ -62,11 +68,20 @@ def _signature(source: Any, config_path: str) -> object:
     return None  # a package's resources: the installed package, fixed for the process
 
 
-def _read(repo: Any, config_path: str) -> tuple[str, str | None, object]:
-    """(the config path, the source that serves it now, its signature)."""
-    from hydra.core.object_type import ObjectType
+def _serves(source: Any, config_path: str) -> bool:
+    """``source.is_config``; for an installed package's resources, asked once per process."""
+    if source.scheme() != "pkg":
+        return bool(source.is_config(config_path))
+    key = (source.full_path(), config_path)
+    if key not in _in_package:
+        _in_package[key] = bool(source.is_config(config_path))
+    return _in_package[key]
 
-    source = repo._find_object_source(config_path=config_path, object_type=ObjectType.CONFIG)
+
+def _read(repo: Any, config_path: str) -> tuple[str, str | None, object]:
+    """(the config path, the source that serves it now, its signature): the first source
+    that has it, as ``ConfigRepository._find_object_source`` finds it."""
+    source = next((s for s in repo.get_sources() if _serves(s, config_path)), None)
     if source is None:
         return config_path, None, None
     return config_path, source.full_path(), _signature(source, config_path)
@@ -86,15 +101,23 @@ def _recorded() -> Iterator[list[tuple[str, str | None, object]]]:
         _recording.pop()  # this one: the recordings nest as the calls do
 
 
-def _kept(config: Any) -> Any:
+def _frozen(obj: Any) -> bytes:
+    return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _copy(frozen: bytes) -> Any:
+    return pickle.loads(frozen)  # noqa: S301 - bytes this module pickled, in this process's memory
+
+
+def _kept(config: Any) -> bytes:
     """A copy to keep: without what its resolvers have cached (``${now:...}``, which Hydra
     resolves while it merges), so that each use resolves them afresh, as each composition
     by Hydra does."""
     from omegaconf import OmegaConf
 
-    kept = copy.deepcopy(config)
+    kept = _copy(_frozen(config))
     OmegaConf.clear_cache(kept)
-    return kept
+    return _frozen(kept)
 
 
 def _sources(repo: Any) -> tuple[object, ...]:
@@ -136,11 +159,12 @@ def install() -> None:
         read = _read(self, config_path)
         kept = _loaded.get(key)
         if kept is not None and kept[0] == read:
-            return copy.deepcopy(kept[1])
+            return _copy(kept[1])
         ret = load_config(self, config_path)
         if ret is not None and read[1] is not None:
-            _loaded[key] = (read, copy.deepcopy(ret))
-            OmegaConf.clear_cache(_loaded[key][1].config)
+            copied = _copy(_frozen(ret))
+            OmegaConf.clear_cache(copied.config)
+            _loaded[key] = (read, _frozen(copied))
         return ret
 
     def recording_load(self: Any, config_path: str) -> Any:
@@ -166,11 +190,11 @@ def install() -> None:
         key = (_sources(repo), config_name, picking, prepend_hydra, skip_missing)
         kept = _defaults.get(key)
         if kept is not None and _unchanged(getattr(repo, "delegate", repo), kept[0]):
-            made = copy.deepcopy(kept[1])
+            made = _copy(kept[1])
         else:
             with _recorded() as reads:
                 made = create_defaults_list(repo, config_name, overrides_list, prepend_hydra, skip_missing)
-            _defaults[key] = (tuple(reads), copy.deepcopy(made))
+            _defaults[key] = (tuple(reads), _frozen(made))
         made.overrides.config_overrides = fresh.config_overrides
         return DefaultsList(defaults=made.defaults, config_overrides=fresh.config_overrides,
                             defaults_tree=made.defaults_tree, overrides=made.overrides)
@@ -179,7 +203,7 @@ def install() -> None:
         key = (_sources(repo), tuple((d.config_path, d.package, d.parent, d.is_self, d.primary) for d in defaults))
         kept = _merged.get(key)
         if kept is not None and _unchanged(getattr(repo, "delegate", repo), kept[0]):
-            return copy.deepcopy(kept[1])
+            return _copy(kept[1])
         with _recorded() as reads:
             cfg = merge(self, defaults, repo)
         _merged[key] = (tuple(reads), _kept(cfg))
