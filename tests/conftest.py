@@ -8,7 +8,6 @@ import functools
 import gc
 import json
 import os
-import pickle
 import subprocess
 import sys
 import tempfile
@@ -20,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
+from hydra_cache import Frozen
 from warm_processes import Server, WarmProcess, launchers_forked
 
 if TYPE_CHECKING:
@@ -225,16 +225,16 @@ def picks_a_file(override: str) -> bool:
 
 
 @functools.cache
-def _composed(choices: tuple[str, ...]) -> bytes:
-    """train.yaml composed by Hydra with these group choices and no other override, pickled
-    (unpickled, a copy is made several times faster than by ``copy.deepcopy``)."""
+def _composed(choices: tuple[str, ...]) -> Frozen:
+    """train.yaml composed by Hydra with these group choices and no other override, kept
+    pickled (unpickled, a copy is made several times faster than by ``copy.deepcopy``)."""
     from hydra import compose, initialize_config_dir
 
     from perfrun.config import config_dir, register_configs
 
     register_configs()
     with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
-        return pickle.dumps(compose("train", overrides=list(choices)), protocol=pickle.HIGHEST_PROTOCOL)
+        return Frozen(compose("train", overrides=list(choices)))
 
 
 @functools.cache
@@ -262,7 +262,7 @@ def make_cfg(*overrides: str, tiny: bool = True) -> TrainConfig:
     from perfrun.config import typed
 
     given = (TINY if tiny else []) + list(overrides)
-    cfg = pickle.loads(_composed(tuple(o for o in given if picks_a_file(o))))  # noqa: S301 - pickled above
+    cfg = _composed(tuple(o for o in given if picks_a_file(o))).copy()
     values = [copy.deepcopy(_parsed(o)) for o in given if not picks_a_file(o)]
     try:
         ConfigLoaderImpl._apply_overrides_to_config(values, cfg)

@@ -26,8 +26,11 @@ made so equal to Hydra's own, a file edited between two compositions included.
 from __future__ import annotations
 
 import copy
+import enum
+import io
 import os
 import pickle
+import types
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -35,9 +38,9 @@ from typing import Any
 
 _swapped: list[tuple[object, str, object, object]] = []  # (owner, name, Hydra's, the one kept here)
 _recording: list[list[tuple[str, str | None, object]]] = []  # one list of reads per cached step in progress
-_loaded: dict[tuple[Any, ...], tuple[object, bytes]] = {}
-_defaults: dict[tuple[Any, ...], tuple[tuple[tuple[str, str | None, object], ...], bytes]] = {}
-_merged: dict[tuple[Any, ...], tuple[tuple[tuple[str, str | None, object], ...], bytes]] = {}
+_loaded: dict[tuple[Any, ...], tuple[object, Frozen]] = {}
+_defaults: dict[tuple[Any, ...], tuple[tuple[tuple[str, str | None, object], ...], Frozen]] = {}
+_merged: dict[tuple[Any, ...], tuple[tuple[tuple[str, str | None, object], ...], Frozen]] = {}
 _in_package: dict[tuple[str, str], bool] = {}  # (a pkg:// source, a config path): whether it serves it
 
 
@@ -101,23 +104,43 @@ def _recorded() -> Iterator[list[tuple[str, str | None, object]]]:
         _recording.pop()  # this one: the recordings nest as the calls do
 
 
-def _frozen(obj: Any) -> bytes:
-    return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+class Frozen:
+    """An object pickled, to be copied by unpickling. What ``copy.deepcopy`` never copies
+    (classes, functions, enum members) is kept as the very object, not looked up by name
+    again: Hydra's plugin scan executes a plugin's module again, and a config node of its
+    dataclass must keep the class it was made with (submitit pickles the job's config)."""
+
+    __slots__ = ("data", "kept")
+
+    def __init__(self, obj: Any) -> None:
+        self.kept: list[object] = []
+        buffer = io.BytesIO()
+        pickler = pickle.Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL)
+        pickler.persistent_id = self._as_is  # type: ignore[method-assign]
+        pickler.dump(obj)
+        self.data = buffer.getvalue()
+
+    def _as_is(self, obj: object) -> int | None:
+        if isinstance(obj, (type, enum.Enum, types.FunctionType, types.BuiltinFunctionType)):
+            self.kept.append(obj)
+            return len(self.kept) - 1
+        return None
+
+    def copy(self) -> Any:
+        unpickler = pickle.Unpickler(io.BytesIO(self.data))  # noqa: S301 - pickled here, in memory
+        unpickler.persistent_load = self.kept.__getitem__  # type: ignore[method-assign]
+        return unpickler.load()
 
 
-def _copy(frozen: bytes) -> Any:
-    return pickle.loads(frozen)  # noqa: S301 - bytes this module pickled, in this process's memory
-
-
-def _kept(config: Any) -> bytes:
+def _kept(config: Any) -> Frozen:
     """A copy to keep: without what its resolvers have cached (``${now:...}``, which Hydra
     resolves while it merges), so that each use resolves them afresh, as each composition
     by Hydra does."""
     from omegaconf import OmegaConf
 
-    kept = _copy(_frozen(config))
+    kept = Frozen(config).copy()
     OmegaConf.clear_cache(kept)
-    return _frozen(kept)
+    return Frozen(kept)
 
 
 def _sources(repo: Any) -> tuple[object, ...]:
@@ -159,12 +182,12 @@ def install() -> None:
         read = _read(self, config_path)
         kept = _loaded.get(key)
         if kept is not None and kept[0] == read:
-            return _copy(kept[1])
+            return kept[1].copy()
         ret = load_config(self, config_path)
         if ret is not None and read[1] is not None:
-            copied = _copy(_frozen(ret))
+            copied = Frozen(ret).copy()
             OmegaConf.clear_cache(copied.config)
-            _loaded[key] = (read, _frozen(copied))
+            _loaded[key] = (read, Frozen(copied))
         return ret
 
     def recording_load(self: Any, config_path: str) -> Any:
@@ -190,11 +213,11 @@ def install() -> None:
         key = (_sources(repo), config_name, picking, prepend_hydra, skip_missing)
         kept = _defaults.get(key)
         if kept is not None and _unchanged(getattr(repo, "delegate", repo), kept[0]):
-            made = _copy(kept[1])
+            made = kept[1].copy()
         else:
             with _recorded() as reads:
                 made = create_defaults_list(repo, config_name, overrides_list, prepend_hydra, skip_missing)
-            _defaults[key] = (tuple(reads), _frozen(made))
+            _defaults[key] = (tuple(reads), Frozen(made))
         made.overrides.config_overrides = fresh.config_overrides
         return DefaultsList(defaults=made.defaults, config_overrides=fresh.config_overrides,
                             defaults_tree=made.defaults_tree, overrides=made.overrides)
@@ -203,7 +226,7 @@ def install() -> None:
         key = (_sources(repo), tuple((d.config_path, d.package, d.parent, d.is_self, d.primary) for d in defaults))
         kept = _merged.get(key)
         if kept is not None and _unchanged(getattr(repo, "delegate", repo), kept[0]):
-            return _copy(kept[1])
+            return kept[1].copy()
         with _recorded() as reads:
             cfg = merge(self, defaults, repo)
         _merged[key] = (tuple(reads), _kept(cfg))

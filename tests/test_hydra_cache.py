@@ -104,3 +104,17 @@ def test_a_file_edited_between_compositions_is_read_again(conf: Path) -> None:
     assert (after.model.n_layer, after.data.name) == (5, "text")
     with hydra_cache.hydras_own():
         assert OmegaConf.to_yaml(compose("train", overrides=["model=gpt2"])) == OmegaConf.to_yaml(after)
+
+
+def test_a_kept_node_keeps_the_class_it_was_made_with(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hydra's plugin scan executes a plugin's module again; a node made before keeps the
+    class it was made with (as copy.deepcopy keeps it), which is what pickling it later
+    (submitit pickles a job's config) checks against."""
+    import dataclasses
+
+    from hydra._internal.core_plugins import basic_sweeper
+
+    made_with = basic_sweeper.BasicSweeperConf
+    frozen = hydra_cache.Frozen(OmegaConf.structured(made_with))
+    monkeypatch.setattr(basic_sweeper, "BasicSweeperConf", dataclasses.make_dataclass("BasicSweeperConf", []))
+    assert OmegaConf.get_type(frozen.copy()) is made_with
