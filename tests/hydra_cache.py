@@ -12,8 +12,9 @@ pick files are kept here, per process, and each use takes a copy:
   is unchanged: the value overrides are Hydra's own, classified afresh each time;
 - the merge of that list (``_compose_config_from_defaults_list``), under the same condition.
 
-Each is kept pickled, in memory: unpickling makes a copy of an OmegaConf tree 5-14 times
-faster than ``copy.deepcopy`` (the merged ``train`` 1.5 ms against 21 ms on the 2-core EPYC).
+Each is kept pickled, in memory: unpickling makes a copy of an OmegaConf tree about 5 times
+faster than ``copy.deepcopy`` (the merged ``train`` with its ``hydra`` node, on the 2-core
+EPYC: 3.3 ms against 17.8 ms, medians of 7 rounds of 20 copies).
 Whether a file of an installed package exists is asked once (the package cannot change).
 
 Everything else, the value overrides applied in struct mode, the ``hydra`` node and every
@@ -250,7 +251,7 @@ def active() -> bool:
 
 def forget() -> None:
     """Nothing kept: the next compositions are made again."""
-    for kept in (_loaded, _defaults, _merged):
+    for kept in (_loaded, _defaults, _merged, _in_package):
         kept.clear()
 
 
