@@ -95,10 +95,12 @@ def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
 @pytest.fixture(scope="session", autouse=True)
 def _compositions_kept() -> None:
     """Hydra's compositions remembered in this test process (:mod:`hydra_cache`), before
-    any test composes."""
+    any test composes, with every schema of perfrun's commands already stored."""
     import hydra_cache
 
     hydra_cache.install()
+    if hydra_cache.active():
+        hydra_cache.store_schemas()
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -267,6 +267,24 @@ def hydras_own() -> Iterator[None]:
             setattr(owner, name, kept)
 
 
+def store_schemas() -> None:
+    """Store now every schema perfrun's commands store in Hydra's ConfigStore at their first
+    start: a kept composition is keyed on the store's nodes, and a node stored halfway
+    through a test process would have every composition kept before it made again."""
+    import importlib
+
+    from perfrun.commands.dispatch import HYDRA_COMMANDS
+    from perfrun.config import register_configs
+    from perfrun.tune.config import register_tune_schema
+
+    register_configs()
+    register_tune_schema()
+    for name in HYDRA_COMMANDS:
+        command = getattr(importlib.import_module(f"perfrun.commands.{name}"), "COMMAND", None)
+        if command is not None:  # tune stores its schema by register_tune_schema
+            command.register()
+
+
 def warm() -> None:
     """Compose ``perfrun train`` once (its files, its defaults list, their merge), so that a
     process forked after this starts with them kept."""
