@@ -175,3 +175,23 @@ def test_a_commands_schema_is_stored_once_per_process(command: str) -> None:
     node = ConfigStore.instance().repo[f"{command}_schema.yaml"]
     app.register()
     assert ConfigStore.instance().repo[f"{command}_schema.yaml"] is node
+
+
+@pytest.mark.parametrize("command", ["tune", "estimate", "generate", "export", "prepare"])
+def test_each_command_stores_its_schema_when_it_starts(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """The suite stores every schema before its first composition (hydra_cache.store_schemas);
+    each command must still store its own: here it starts with its schema gone. The very
+    node stored before is put back after, so the compositions kept on it stay kept."""
+    from hydra.core.config_store import ConfigStore
+
+    from perfrun.commands.dispatch import HYDRA_COMMANDS
+
+    assert command in HYDRA_COMMANDS
+    store, name = ConfigStore.instance().repo, f"{command}_schema.yaml"
+    before = store.pop(name)
+    try:
+        code = cli_main([command, "--cfg", "job"])
+        assert name in store and store[name] is not before
+    finally:
+        store[name] = before
+    assert code == 0 and capsys.readouterr().out.strip()
