@@ -170,19 +170,23 @@ def _steps(cfg: TrainConfig, device: torch.device, vocab_size: int, batch: int, 
         if _trains_every_parameter(plan.raw_model):  # the state, untracked: the step below holds it throughout
             optimizer_state(optimizer, params)
         else:
-            with ModuleStack(plan.raw_model) as first:
-                try:
-                    _fake_step(plan, optimizer, params, clip, batch, seq_len, vocab_size, device, None)
-                except Exception as e:  # noqa: BLE001 - said in one line, with the module it ran in
-                    raise _one_line(e, first.active_modules()) from e
+            with ModuleStack(plan.raw_model) as first, _said_in_one_line(first):
+                _fake_step(plan, optimizer, params, clip, batch, seq_len, vocab_size, device, None)
         # the steady step's peak, which no step of the run exceeds
         tracker = Tracker(plan.raw_model, optimizer, fsdp=cfg.distributed == "fsdp")
-        with tracker:
-            try:
-                _fake_step(plan, optimizer, params, clip, batch, seq_len, vocab_size, device, tracker)
-            except Exception as e:  # noqa: BLE001 - said in one line, with the module it ran in
-                raise _one_line(e, tracker.active_modules()) from e
+        with tracker, _said_in_one_line(tracker):
+            _fake_step(plan, optimizer, params, clip, batch, seq_len, vocab_size, device, tracker)
         yield tracker
+
+
+@contextmanager
+def _said_in_one_line(watch: ModuleStack | Tracker) -> Iterator[None]:
+    """A failure of the step inside, as one line naming the module it ran in (read while
+    ``watch`` still holds the modules that were running)."""
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - said in one line, with the module it ran in
+        raise _one_line(e, watch.active_modules()) from e
 
 
 def _trains_every_parameter(model: torch.nn.Module) -> bool:
