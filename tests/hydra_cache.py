@@ -133,14 +133,14 @@ class Frozen:
         return unpickler.load()
 
 
-def _kept(config: Any) -> Frozen:
-    """A copy to keep: without what its resolvers have cached (``${now:...}``, which Hydra
-    resolves while it merges), so that each use resolves them afresh, as each composition
-    by Hydra does."""
+def _kept(obj: Any, config: Callable[[Any], Any] = lambda o: o) -> Frozen:
+    """A copy to keep: its configuration (``config(obj)``) without what its resolvers have
+    cached (``${now:...}``, which Hydra resolves while it merges), so that each use resolves
+    them afresh, as each composition by Hydra does."""
     from omegaconf import OmegaConf
 
-    kept = Frozen(config).copy()
-    OmegaConf.clear_cache(kept)
+    kept = Frozen(obj).copy()
+    OmegaConf.clear_cache(config(kept))
     return Frozen(kept)
 
 
@@ -165,7 +165,6 @@ def install() -> None:
         from hydra._internal.config_repository import CachingConfigRepository, ConfigRepository
         from hydra._internal.defaults_list import DefaultsList, Overrides
         from hydra.core.config_store import ConfigStore
-        from omegaconf import OmegaConf
 
         load_config: Callable[..., Any] = ConfigRepository.load_config
         caching_load: Callable[..., Any] = CachingConfigRepository.load_config
@@ -186,9 +185,7 @@ def install() -> None:
             return kept[1].copy()
         ret = load_config(self, config_path)
         if ret is not None and read[1] is not None:
-            copied = Frozen(ret).copy()
-            OmegaConf.clear_cache(copied.config)
-            _loaded[key] = (read, Frozen(copied))
+            _loaded[key] = (read, _kept(ret, lambda result: result.config))
         return ret
 
     def recording_load(self: Any, config_path: str) -> Any:
