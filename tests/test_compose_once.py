@@ -16,6 +16,7 @@ import pytest
 import yaml
 from hydra._internal.config_loader_impl import ConfigLoaderImpl
 
+from perfrun.commands.dispatch import HYDRA_COMMANDS
 from perfrun.commands.dispatch import main as cli_main
 from perfrun.commands.hydra_app import run_hydra
 from perfrun.commands.tune import kept_logging
@@ -177,16 +178,13 @@ def test_a_commands_schema_is_stored_once_per_process(command: str) -> None:
     assert ConfigStore.instance().repo[f"{command}_schema.yaml"] is node
 
 
-@pytest.mark.parametrize("command", ["tune", "estimate", "generate", "export", "prepare"])
+@pytest.mark.parametrize("command", HYDRA_COMMANDS)
 def test_each_command_stores_its_schema_when_it_starts(command: str, capsys: pytest.CaptureFixture[str]) -> None:
     """The suite stores every schema before its first composition (hydra_cache.store_schemas);
     each command must still store its own: here it starts with its schema gone. The very
     node stored before is put back after, so the compositions kept on it stay kept."""
     from hydra.core.config_store import ConfigStore
 
-    from perfrun.commands.dispatch import HYDRA_COMMANDS
-
-    assert command in HYDRA_COMMANDS
     store, name = ConfigStore.instance().repo, f"{command}_schema.yaml"
     before = store.pop(name)
     try:
