@@ -1,6 +1,7 @@
 """FLOPs per token counted for any model (perfrun/models/flops.py): they agree with GPT's and
-Llama's formulas, do not depend on the device (the CPU flash-attention kernel is counted), cost
-no arithmetic, and a run records which figure MFU used."""
+Llama's formulas, do not depend on the device (the CPU flash-attention kernel is counted) nor on
+whether the pass ran on fake tensors or (a small model of perfrun's own on the CPU) real copies,
+leave the model and the random stream as they were, and a run records which figure MFU used."""
 
 from __future__ import annotations
 
@@ -52,6 +53,37 @@ def test_the_count_does_not_depend_on_the_device() -> None:
         meta = GPT(config)
     x = _batch(256, 64)
     assert counted_flops_per_token(cpu, x, x) == counted_flops_per_token(meta, x.to("meta"), x.to("meta"))
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_a_small_own_model_is_counted_on_real_tensors_as_fake_ones_count_it(
+        family: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Below REAL_PASS_FLOPS on the CPU the pass runs on real copies (dropout on: the random
+    stream is given back); fake tensors count the same ops. A user's model is always faked
+    (its forward may read a value), as is one of perfrun's above the bound."""
+    from perfrun.models import flops
+
+    if family == "gpt":
+        model: torch.nn.Module = GPT(GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=32,
+                                               dropout=0.1))
+    else:
+        m = OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(REPO / "conf/model/llama-tiny.yaml"))
+        model = Llama(LlamaConfig.from_model(m, 256))
+    x = _batch(256, 32)
+    weights = {n: t.clone() for n, t in model.state_dict().items()}
+    faked: list[int] = []
+    fake_mode = flops.FakeTensorMode
+    monkeypatch.setattr(flops, "FakeTensorMode", lambda *a, **k: faked.append(1) or fake_mode(*a, **k))
+    assert flops._small_own_model_on_cpu(model, torch.device("cpu"), x)
+    rng = torch.get_rng_state()
+    real = flops._count(model, x, x)
+    assert faked == [] and torch.equal(torch.get_rng_state(), rng)
+    assert all(torch.equal(t, weights[n]) for n, t in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+    monkeypatch.setattr(flops, "REAL_PASS_FLOPS", 0)
+    assert flops._count(model, x, x) == real and faked == [1]
+    monkeypatch.setattr(flops, "REAL_PASS_FLOPS", float("inf"))
+    assert not flops._small_own_model_on_cpu(_UserLM(GPTConfig()), torch.device("cpu"), x)
 
 
 def test_one_configuration_of_perfruns_models_is_counted_once_per_process(monkeypatch: pytest.MonkeyPatch) -> None:
