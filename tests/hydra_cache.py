@@ -42,6 +42,7 @@ _recording: list[list[tuple[str, str | None, object]]] = []  # one list of reads
 _loaded: dict[tuple[Any, ...], tuple[object, Frozen]] = {}
 _defaults: dict[tuple[Any, ...], tuple[tuple[tuple[str, str | None, object], ...], Frozen]] = {}
 _merged: dict[tuple[Any, ...], tuple[tuple[tuple[str, str | None, object], ...], Frozen]] = {}
+_prefixes: dict[tuple[Any, ...], tuple[tuple[tuple[str, str | None, object], ...], Frozen]] = {}  # merges halfway
 _in_package: dict[tuple[str, str], bool] = {}  # (a pkg:// source, a config path): whether it serves it
 
 
@@ -221,13 +222,14 @@ def install() -> None:
                             defaults_tree=made.defaults_tree, overrides=made.overrides)
 
     def cached_merge(self: Any, defaults: list[Any], repo: Any) -> Any:
-        key = (_sources(repo), tuple((d.config_path, d.package, d.parent, d.is_self, d.primary) for d in defaults))
-        kept = _merged.get(key)
+        sources, items = _sources(repo), tuple((d.config_path, d.package, d.parent, d.is_self, d.primary)
+                                               for d in defaults)
+        kept = _merged.get((sources, items))
         if kept is not None and _unchanged(getattr(repo, "delegate", repo), kept[0]):
             return kept[1].copy()
         with _recorded() as reads:
-            cfg = merge(self, defaults, repo)
-        _merged[key] = (tuple(reads), _kept(cfg))
+            cfg = _merged_from_a_kept_prefix(self, defaults, repo, sources, items, reads)
+        _merged[(sources, items)] = (tuple(reads), _kept(cfg))
         return cfg
 
     _swapped.extend([
@@ -241,6 +243,70 @@ def install() -> None:
         setattr(owner, name, kept)
 
 
+def _prefix_ends(items: tuple[tuple[Any, ...], ...]) -> set[int]:
+    """Where a merge in progress is kept, as the number of files merged: after Hydra's own
+    files (the ``hydra`` node, the same for every composition that picks no ``hydra/`` group)
+    and after the primary config (the same for every rung of a sweep, whose ``+group=`` files
+    come after it)."""
+    hydras = next((i for i, item in enumerate(items) if not str(item[2] or "").startswith("hydra/")
+                   and not str(item[0]).startswith("hydra/")), 0)
+    primary = next((i + 1 for i, item in enumerate(items) if item[4]), 0)
+    return {end for end in (hydras, primary) if 0 < end < len(items)}
+
+
+def _merged_from_a_kept_prefix(loader: Any, defaults: list[Any], repo: Any, sources: tuple[object, ...],
+                               items: tuple[tuple[Any, ...], ...], reads: list[tuple[str, str | None, object]]) -> Any:
+    """Hydra's ``_compose_config_from_defaults_list`` (1.3), started from the longest kept
+    merge of a prefix of ``defaults`` whose files are unchanged; the prefixes it passes are
+    kept in turn (with the reads that made them)."""
+    import sys
+
+    from hydra.errors import ConfigCompositionException
+    from omegaconf import DictConfig, OmegaConf, flag_override
+    from omegaconf.errors import OmegaConfBaseException
+
+    ends = _prefix_ends(items)
+    start, cfg = 0, None
+    for end in sorted(ends, reverse=True):
+        kept = _prefixes.get((sources, items[:end]))
+        if kept is not None and _unchanged(getattr(repo, "delegate", repo), kept[0]):
+            start, cfg = end, kept[1].copy()
+            reads.extend(kept[0])
+            break
+    cfg = OmegaConf.create() if cfg is None else cfg
+    with flag_override(cfg, "no_deepcopy_set_nodes", True):
+        for i in range(start, len(defaults)):
+            if i in ends and i > start:
+                _prefixes[(sources, items[:i])] = (tuple(reads), _kept(cfg, _without_merge_flag))
+            loaded = loader._load_single_config(default=defaults[i], repo=repo)
+            try:
+                cfg.merge_with(loaded.config)
+            except OmegaConfBaseException as e:
+                raise ConfigCompositionException(  # noqa: B904 - as Hydra raises it
+                    f"In '{defaults[i].config_path}': {type(e).__name__} raised while composing config:\n{e}"
+                ).with_traceback(sys.exc_info()[2])
+
+    def strip_defaults(node: Any) -> None:  # Hydra's: the defaults lists left in any node
+        if isinstance(node, DictConfig):
+            if node._is_missing() or node._is_none():
+                return
+            with flag_override(node, ["readonly", "struct"], False):
+                if node._get_flag("HYDRA_REMOVE_TOP_LEVEL_DEFAULTS"):
+                    node._set_flag("HYDRA_REMOVE_TOP_LEVEL_DEFAULTS", None)
+                    node.pop("defaults", None)
+            for _key, value in node.items_ex(resolve=False):
+                strip_defaults(value)
+
+    strip_defaults(cfg)
+    return cfg
+
+
+def _without_merge_flag(cfg: Any) -> Any:
+    """A merge kept halfway, as Hydra's merge starts it: without the flag the merge sets."""
+    cfg._set_flag("no_deepcopy_set_nodes", None)
+    return cfg
+
+
 def active() -> bool:
     """Whether this process keeps Hydra's compositions."""
     return bool(_swapped)
@@ -248,7 +314,7 @@ def active() -> bool:
 
 def forget() -> None:
     """Nothing kept: the next compositions are made again."""
-    for kept in (_loaded, _defaults, _merged, _in_package):
+    for kept in (_loaded, _defaults, _merged, _prefixes, _in_package):
         kept.clear()
 
 

@@ -23,7 +23,8 @@ from perfrun.config import config_dir, register_configs
 # overrides that fail (each in its own way)
 OVERRIDES = [
     [], ["model.n_layer=2", "seed=3"], ["data=text", "model=gpt2", "model.n_layer=3"],
-    ["+sweep=ablation", "+ablation=bf16", "device=cuda"], ["precision=bf16", "compile=true", "~logger"],
+    ["+sweep=ablation", "+ablation=bf16", "device=cuda"], ["+sweep=ablation", "+ablation=compile", "device=cuda"],
+    ["precision=bf16", "compile=true", "~logger"],
     ["hydra/launcher=submitit_local", "hydra.run.dir=/tmp/elsewhere"], ["model=nope"], ["+model.n_layer=2"],
 ]
 
@@ -74,9 +75,24 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> list[datetime]:
     return readings
 
 
-def test_kept_compositions_equal_hydras_own(conf: Path, clock: list[datetime]) -> None:
+class _Counted(dict):
+    """The merges kept halfway, counting those taken up again."""
+
+    taken = 0
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        value = super().get(key, default)
+        self.taken += value is not None
+        return value
+
+
+def test_kept_compositions_equal_hydras_own(conf: Path, clock: list[datetime], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each composition made, then kept: equal to Hydra's. The second rung of the ladder
+    starts from the first's merge up to the primary config, and a group choice from the
+    merge of Hydra's own files before it."""
     failed = set()
     hydra_cache.forget()
+    monkeypatch.setattr(hydra_cache, "_prefixes", halfway := _Counted())
     for overrides in OVERRIDES:
         with hydra_cache.hydras_own():
             hydras = _composed(overrides)
@@ -88,6 +104,7 @@ def test_kept_compositions_equal_hydras_own(conf: Path, clock: list[datetime]) -
             # the time each composition was made at (the clock moves a minute per reading)
             assert len({hydras["run dir"], first["run dir"], again["run dir"]}) == 3, overrides
     assert failed == {"model=nope", "+model.n_layer=2"}
+    assert halfway.taken >= 2
     with hydra_cache.hydras_own():
         hydras = _composed(["+sweep=ablation"], RunMode.MULTIRUN)
     assert _but_the_time(_composed(["+sweep=ablation"], RunMode.MULTIRUN)) == _but_the_time(hydras)
