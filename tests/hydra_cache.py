@@ -10,7 +10,10 @@ pick files are kept here, per process, and each use takes a copy:
 - the defaults list (``create_defaults_list``) for a primary config and the overrides that
   pick files (group choices, ``+group=``, ``~group``, ``hydra/...``), while every file it read
   is unchanged: the value overrides are Hydra's own, classified afresh each time;
-- the merge of that list (``_compose_config_from_defaults_list``), under the same condition.
+- the merge of that list (``_compose_config_from_defaults_list``), under the same condition,
+  and the merge halfway (after Hydra's own files, after the primary config): a list that
+  differs only past one of those points (a group choice, another rung of a ladder) is merged
+  from there.
 
 Each is kept pickled, in memory: unpickling makes a copy of an OmegaConf tree about 5 times
 faster than ``copy.deepcopy`` (the merged ``train`` with its ``hydra`` node, on the 2-core
