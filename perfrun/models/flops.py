@@ -2,10 +2,11 @@
 backward, run under FakeTensorMode so that no arithmetic happens and no memory is taken.
 One of perfrun's own models small enough on the CPU (about a GFLOP a pass) is counted on
 real copies of its tensors instead: the same count, in tens of milliseconds where fake
-tensors take hundreds (and seconds to set up, the first time in a process).
+tensors take hundreds (GPTs of 2-4 layers, 32-64 wide, 32 tokens, on one core of a 2-core
+EPYC: 32-62 ms against 140-314 ms once fake tensors were first used in the process).
 
 The model's own parameters are not touched: the pass goes through ``functional_call`` with
-fake copies of them, and the gradients are taken with ``autograd.grad``. The fake tensors
+copies of them (fake, or real clones), and the gradients are taken with ``autograd.grad``. The fake tensors
 sit on the model's device, so the same kernels are chosen as in training; the CPU's flash
 kernel of ``scaled_dot_product_attention`` has no count in torch (2.13), so one is
 registered here (torch's count for the CUDA flash kernel) and the figure does not depend
@@ -83,7 +84,7 @@ OWN_MODELS = ("perfrun.models.gpt", "perfrun.models.llama")
 _counted: dict[tuple[Any, ...], float] = {}
 # the largest pass counted on real CPU tensors: ~1e9 FLOPs is tens of milliseconds on one core,
 # the time fake tensors take to dispatch a small model's few hundred ops (GPT-2 small at 1,024
-# tokens, ~7.6e11, takes 15 s for real and 0.6 s fake)
+# tokens, ~7.6e11, took 15.2 s for real and 0.65 s fake on one core of the 2-core EPYC)
 REAL_PASS_FLOPS = 1e9
 
 
