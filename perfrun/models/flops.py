@@ -6,10 +6,10 @@ tensors take hundreds (GPTs of 2-4 layers, 32-64 wide, 32 tokens, on one core of
 EPYC: 32-62 ms against 140-314 ms once fake tensors were first used in the process).
 
 The model's own parameters are not touched: the pass goes through ``functional_call`` with
-copies of them (fake, or real clones), and the gradients are taken with ``autograd.grad``. The fake tensors
-sit on the model's device, so the same kernels are chosen as in training; the CPU's flash
-kernel of ``scaled_dot_product_attention`` has no count in torch (2.13), so one is
-registered here (torch's count for the CUDA flash kernel) and the figure does not depend
+copies of them (fake, or real clones), and the gradients are taken with ``autograd.grad``.
+The copies sit on the model's device, so the same kernels are chosen as in training; the
+CPU's flash kernel of ``scaled_dot_product_attention`` has no count in torch (2.13), so one
+is registered here (torch's count for the CUDA flash kernel) and the figure does not depend
 on the device. Like the analytic formula it is model FLOPs: recomputation is not counted,
 neither activation checkpointing's nor the one torch counts in every fused attention
 backward (the scores again: 5 matmuls where the model has 4).
