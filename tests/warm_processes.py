@@ -391,21 +391,19 @@ def _count_flops(models: list[list[str]]) -> None:
 
 def _frozen_frames_found() -> None:
     """Enter each frozen module in :mod:`inspect`'s cache of modules by file, under the name its
-    frames carry (``<frozen runpy>``): inspect finds no module for such a frame and scans
-    all of ``sys.modules`` again at each lookup, up to three a frame. Every ``python -m`` runs
-    under two runpy frames; ``inspect.stack()`` from a child of this server (2,300 modules)
-    then took 28-100 ms on the 2-core EPYC, 2 ms with the entries, and torchrun's rendezvous
-    calls it twice for each event it records (1.7 s of a torchrun started here); and a child's
-    first lookup would scan them all once more. What inspect
-    returns for these frames is unchanged: no source lines (linecache reads none for a
-    ``<...>`` name)."""
+    frames carry (``<frozen runpy>``): inspect finds no module for such a frame and scans all
+    of ``sys.modules`` again at each lookup, up to three a frame. Every ``python -m`` runs
+    under two runpy frames, and this server holds ~2,300 modules (a fresh torchrun ~1,350):
+    ``inspect.stack()`` in a child took 28-35 ms on the 2-core EPYC (its first call 66-100
+    ms), 2 ms with the entries. torchrun's rendezvous calls it twice for each event it
+    records: 1.7 s of a 2-rank torchrun forked here (py-spy). What inspect returns for these
+    frames is unchanged: no source lines (linecache reads none for a ``<...>`` name)."""
     import inspect
 
     for name, module in list(sys.modules.items()):
         spec = getattr(module, "__spec__", None)
         if spec is not None and spec.origin == "frozen":
             inspect.modulesbyfile[f"<frozen {name}>"] = name
-    inspect.getmodule(sys._getframe())  # one scan here fills the cache for every module imported so far
 
 
 def _run_and_end(module: str) -> None:
