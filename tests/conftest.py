@@ -286,25 +286,62 @@ def child_env(**settings: str) -> dict[str, str]:
 
 
 _warm: list[Server] = []  # this test process's warm interpreter
+_started: list[Server] = []  # the one this process started (each test process, or pytest-xdist's controller)
 # the model most of the suite's commands train: the warm interpreter counts its FLOPs once
 # (the count depends on the model, not on the data it is given)
 WARM_MODEL = [*TINY_MODEL, "data=synthetic", "data.vocab_size=256"]
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _warm_interpreter(_cache_dir: None, _one_thread_per_process: None) -> Iterator[None]:
-    """Started with the session's environment (its cache, one thread), before any test
-    changes it: a command run with that environment is forked from it."""
+def _start_server(*, wait: bool) -> Server:
+    """A warm interpreter with the environment the session's commands have (see
+    ``_cache_dir`` and ``_one_thread_per_process``); its own cache in its folder."""
+    folder = Path(tempfile.mkdtemp(prefix="perfrun-warm-"))
+    (folder / "cache").mkdir()
+    env = child_env(OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PERFRUN_CACHE=str(folder / "cache"))
+    server = Server(folder, env, counted=[WARM_MODEL], wait=wait)
+    _started.append(server)
+    return server
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    """pytest-xdist's controller starts one warm interpreter for all its workers (each
+    started its own: 7.1 s of CPU on the 2-core EPYC) and hands them its socket; it does not
+    wait for it: the workers wait, after their collection, where they need it."""
     try:
-        _warm.append(Server(Path(tempfile.mkdtemp(prefix="perfrun-warm-")), child_env(), counted=[WARM_MODEL]))
+        server = _started[0] if _started else _start_server(wait=False)
+    except OSError as e:  # the workers then start their own, as a single test process does
+        warnings.warn(f"the warm interpreter did not start: {e}", stacklevel=1)
+        return
+    node.workerinput["perfrun_warm"] = {"path": server.path, "env": server.env}
+
+
+def pytest_unconfigure(config: Any) -> None:
+    for server in _started:
+        server.close()
+    _started.clear()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _warm_interpreter(request: pytest.FixtureRequest, _cache_dir: None,
+                      _one_thread_per_process: None) -> Iterator[None]:
+    """The session's warm interpreter, before any test changes the environment: a command
+    run with that environment is forked from it. Under pytest-xdist, the controller's (one
+    for every worker); else started here."""
+    given = getattr(request.config, "workerinput", {}).get("perfrun_warm")
+    try:
+        if given:
+            server = Server.attach(given["path"], given["env"])
+            server.wait()
+        else:
+            server = _start_server(wait=True)
+        _warm.append(server)
     except RuntimeError as e:  # the commands then start fresh interpreters, as they would without it
         warnings.warn(f"{e}: every perfrun process of this test process starts a fresh interpreter", stacklevel=1)
     if _warm and _warm[0].printed:
         warnings.warn(f"the warm interpreter's imports printed {_warm[0].printed!r}: every perfrun process of this test "
                       "process starts a fresh interpreter, which prints it too", stacklevel=1)
     yield
-    for server in _warm:
-        server.close()
     _warm.clear()
 
 

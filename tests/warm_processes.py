@@ -52,8 +52,10 @@ RANK_ENV = frozenset({"RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAM
                       "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE",
                       "TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_SIGNALS_TO_HANDLE", "TORCH_NCCL_ASYNC_ERROR_HANDLING"})
 # set by submitit for its local job controller and each job process (hydra/launcher=slurm_local),
-# read by submitit while the job runs; the warm interpreter never imports submitit
-RUNTIME_PREFIXES = ("SUBMITIT_",)
+# read by submitit while the job runs (the warm interpreter never imports submitit); set by
+# pytest-xdist in each of its workers, read by pytest-xdist alone (a worker's commands and
+# the controller that started the server differ in them and in nothing else)
+RUNTIME_PREFIXES = ("SUBMITIT_", "PYTEST_XDIST_")
 # read by CUDA when torch first asks for a device: where this torch has no CUDA, nobody reads it
 CUDA_ENV = frozenset({"CUDA_VISIBLE_DEVICES"})
 
@@ -71,26 +73,37 @@ PRELOAD = ("torch", "torch._dynamo", "torch.distributed.run", "hydra", "perfrun.
 
 
 class Server:
-    """The warm interpreter of one test process, started with the environment ``env``."""
+    """The warm interpreter of a test run, started with the environment ``env``: by the
+    process that runs the tests, or under pytest-xdist by its controller, whose workers
+    attach to the one server (:meth:`attach`, then :meth:`wait`)."""
 
-    def __init__(self, folder: Path, env: dict[str, str], counted: list[list[str]] | None = None) -> None:
+    alive: int | None  # the pipe's end whose closing ends the server; None where another process started it
+
+    def __init__(self, folder: Path, env: dict[str, str], counted: list[list[str]] | None = None, *,
+                 wait: bool = True) -> None:
         self.env = dict(env)
         self.folder = folder
         self.path = str(folder / "warm.sock")
-        log = folder / "warm.log"
+        self.printed = ""
         alive, self.alive = os.pipe()  # the server ends when this end closes: with this process
-        with log.open("w") as out:  # the server is a grandchild (a daemon), so that it is no child
+        with (folder / "warm.log").open("w") as out:  # the server is a grandchild (a daemon), so that it is no child
             starter = subprocess.Popen([sys.executable, __file__, self.path, str(alive), json.dumps(counted or [])],
                                        env=self.env,  # here
                                        stdin=subprocess.DEVNULL, stdout=out, stderr=out, pass_fds=[alive])
         os.close(alive)
         starter.wait()
+        if wait:
+            self.wait()
+
+    def wait(self) -> None:
+        """Until the server listens (once its imports are done); RuntimeError if it failed."""
+        log = self.folder / "warm.log"
         end = time.monotonic() + 120
-        while not os.path.exists(self.path):  # bound once the imports are done
-            if time.monotonic() > end or "Traceback" in log.read_text():
-                said = log.read_text()[-2000:]
+        while not os.path.exists(self.path):
+            said = log.read_text() if log.exists() else "its folder is gone"
+            if time.monotonic() > end or "Traceback" in said or not log.exists():
                 self.close()
-                raise RuntimeError(f"the warm interpreter did not start: {said}")
+                raise RuntimeError(f"the warm interpreter did not start: {said[-2000:]}")
             time.sleep(0.01)
         # a fresh interpreter prints what its imports print (a warning, say) before perfrun's
         # own output: where the warm one's imports printed anything, its children would not
@@ -105,14 +118,19 @@ class Server:
 
     @classmethod
     def attach(cls, path: str, env: dict[str, str]) -> Server:
-        """The server of the process that forked this one, as its children reach it."""
+        """The server another process started (this process's parent, or pytest-xdist's
+        controller), as ``env`` started it; this process never ends it."""
         server = cls.__new__(cls)
-        server.folder, server.path, server.env, server.printed = Path(path).parent, path, env, ""
+        server.folder, server.path, server.env, server.printed, server.alive = Path(path).parent, path, env, "", None
         return server
 
     def close(self) -> None:
-        """End the server (it sees the pipe close) and remove its folder, log and socket."""
+        """End the server (it sees the pipe close) and remove its folder, log and socket; for
+        the process that started it only."""
+        if self.alive is None:
+            return
         os.close(self.alive)
+        self.alive = None
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
