@@ -162,6 +162,34 @@ def test_the_tests_configuration_is_a_whole_compose(overrides: list[str]) -> Non
         make_cfg(*overrides, "max_steps=abc")
 
 
+def test_a_composition_with_hydras_node_types_as_the_jobs_and_is_left_as_it_was() -> None:
+    """What a plain run types (its composition keeps Hydra's node) equals what its job types
+    (the same composition without it), a key the schema lacks is refused by both, and the
+    composition is left as it was."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf, open_dict
+
+    from perfrun.config import ConfigError, config_dir, typed
+
+    from conftest import TINY
+
+    register_configs()
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+        for overrides in (WHOLE[-1], ["+model.n_experts=4"]):
+            kept = compose("train", overrides=TINY + overrides, return_hydra_config=True)
+            job = kept.copy()
+            with open_dict(job):
+                del job["hydra"]
+            as_written = OmegaConf.to_yaml(kept)
+            if overrides == WHOLE[-1]:
+                assert typed(kept) == typed(job) and typed(kept).ablation.repeats == 2
+            else:
+                for composed in (kept, job):
+                    with pytest.raises(ConfigError, match="model.n_experts: not a key perfrun knows"):
+                        typed(composed)
+            assert OmegaConf.to_yaml(kept) == as_written
+
+
 @pytest.mark.parametrize("command", ["estimate", "export", "generate", "prepare"])
 def test_a_commands_schema_is_stored_once_per_process(command: str) -> None:
     """A command's second start in one process (a sweep's jobs, a test's calls) keeps the node
