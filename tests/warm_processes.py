@@ -242,7 +242,7 @@ class WarmProcess:
 
 def _serve(path: str, alive: int) -> tuple[dict[str, Any], list[int]] | None:
     """Fork a child per request and report its exit code; returns (the request, its fds) in
-    the child, None once ``alive`` is closed (the test process that started this server ended).
+    the child, None once ``alive`` is closed (the process that started this server ended).
     It sleeps until a request comes, ``alive`` closes or a child ends (each child's pidfd)."""
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path + ".new")
@@ -283,7 +283,7 @@ def _serve(path: str, alive: int) -> tuple[dict[str, Any], list[int]] | None:
             children[os.pidfd_open(pid)] = (pid, conn)
     try:
         os.unlink(path)
-    except FileNotFoundError:  # the test process removed the folder first
+    except FileNotFoundError:  # the process that started the server removed its folder first
         pass
     return None
 
