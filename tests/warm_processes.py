@@ -101,7 +101,7 @@ class Server:
         end = time.monotonic() + 120
         while not os.path.exists(self.path):
             said = log.read_text() if log.exists() else "its folder is gone"
-            if time.monotonic() > end or "Traceback" in said or not log.exists():
+            if time.monotonic() > end or "Traceback" in said or said == "its folder is gone":
                 self.close()
                 raise RuntimeError(f"the warm interpreter did not start: {said[-2000:]}")
             time.sleep(0.01)
