@@ -143,7 +143,10 @@ def _kept(obj: Any, config: Callable[[Any], Any] = lambda o: o) -> Frozen:
     them afresh, as each composition by Hydra does."""
     from omegaconf import OmegaConf
 
-    kept = Frozen(obj).copy()
+    frozen = Frozen(obj)
+    if not any(OmegaConf.get_cache(config(obj)).values()):  # nothing resolved yet: nothing to leave out
+        return frozen
+    kept = frozen.copy()
     OmegaConf.clear_cache(config(kept))
     return Frozen(kept)
 

@@ -6,6 +6,7 @@ reads the real source, so breaking one fails here, not in a review."""
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "perfrun"
@@ -47,11 +48,18 @@ def _modules() -> dict[str, Path]:
     return out
 
 
+@functools.cache
+def _tree(path: Path) -> ast.Module:
+    """A module's syntax tree, parsed once for every rule below (the source does not change
+    while the tests run)."""
+    return ast.parse(path.read_text())
+
+
 def _imports(path: Path, name: str, modules: dict[str, Path]) -> set[str]:
     """The perfrun modules ``name`` imports, at the top or inside a function."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(_tree(path)):
         if isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
@@ -189,7 +197,7 @@ def test_knob_modules_are_named_only_inside_knobs_and_at_the_known_seams() -> No
 def test_no_private_name_crosses_modules() -> None:
     crossing = []
     for name, path in _modules().items():
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(_tree(path)):
             if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("perfrun")):
                 crossing += [f"{name}: {node.module}.{a.name}" for a in node.names
                              if a.name.startswith("_") and not a.name.startswith("__")]
@@ -202,7 +210,7 @@ def test_no_module_over_500_lines() -> None:
 
 
 def test_the_training_loop_fits_on_one_screen() -> None:
-    tree = ast.parse((PACKAGE / "loop" / "schedule.py").read_text())
+    tree = _tree(PACKAGE / "loop" / "schedule.py")
     loop = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "train_loop")
     assert loop.end_lineno - loop.lineno + 1 <= 80
 
@@ -210,7 +218,7 @@ def test_the_training_loop_fits_on_one_screen() -> None:
 def test_no_function_over_100_lines() -> None:
     long = []
     for name, path in _modules().items():
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(_tree(path)):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 100:
                 long.append(f"{name}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
     assert long == []

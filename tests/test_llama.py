@@ -6,6 +6,7 @@ its checkpoint, and one line for each bad input."""
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 from pathlib import Path
@@ -156,13 +157,19 @@ PUBLISHED = {
 }
 
 
+@functools.cache
+def _preset_on_meta(name: str) -> tuple[ModelConfig, Llama]:
+    """A preset's model section and its model on the meta device, built once for every case below."""
+    m = make_cfg(f"model={name}", tiny=False).model
+    with torch.device("meta"):
+        return m, Llama(LlamaConfig.from_model(m, 128256))
+
+
 @pytest.mark.parametrize("preset", sorted(PUBLISHED))
 def test_each_published_config_fits_its_preset_and_names_it_otherwise(preset: str) -> None:
     config = {"model_type": "llama", "hidden_act": "silu", **PUBLISHED[preset]}
     for name in PUBLISHED:
-        m = make_cfg(f"model={name}", tiny=False).model
-        with torch.device("meta"):
-            model = Llama(LlamaConfig.from_model(m, 128256))
+        m, model = _preset_on_meta(name)
         if name == preset:
             check_llama_shape(config, model, m, "FOLDER")
         else:
