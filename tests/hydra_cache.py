@@ -34,6 +34,7 @@ import enum
 import io
 import os
 import pickle
+import stat
 import types
 import warnings
 from collections.abc import Callable, Iterator
@@ -47,6 +48,7 @@ _defaults: dict[tuple[Any, ...], tuple[tuple[tuple[str, str | None, object], ...
 _merged: dict[tuple[Any, ...], tuple[tuple[tuple[str, str | None, object], ...], Frozen]] = {}
 _prefixes: dict[tuple[Any, ...], tuple[tuple[tuple[str, str | None, object], ...], Frozen]] = {}  # merges halfway
 _in_package: dict[tuple[str, str], bool] = {}  # (a pkg:// source, a config path): whether it serves it
+_names: dict[tuple[str, object], str] = {}  # (a config path, Hydra's version base): the file name looked for
 
 
 class _Same:
@@ -64,15 +66,35 @@ class _Same:
         return id(self.obj)
 
 
+def _name(config_path: str) -> str:
+    """``ConfigSource._normalize_file_name``: the file name Hydra looks for, kept per config
+    path and version base (Hydra works the version out again for every name it looks up)."""
+    from hydra.version import getbase
+
+    key = (config_path, getbase())
+    name = _names.get(key)
+    if name is None:
+        from hydra.plugins.config_source import ConfigSource
+
+        name = _names[key] = ConfigSource._normalize_file_name(config_path)
+    return name
+
+
+def _file_signature(source: Any, config_path: str) -> tuple[int, int, int] | None:
+    """A file source's ``is_config`` and the file's signature in one ``stat``: None where it
+    has no such file (``is_config``: ``os.path.isfile`` of the path, its links followed)."""
+    try:
+        st = os.stat(os.path.join(source.path, _name(config_path)))
+    except (OSError, ValueError):
+        return None
+    return (st.st_mtime_ns, st.st_size, st.st_ino) if stat.S_ISREG(st.st_mode) else None
+
+
 def _signature(source: Any, config_path: str) -> object:
-    """What says that the file ``source`` serves for ``config_path`` is the one read before."""
-    scheme = source.scheme()
-    name = source._normalize_file_name(config_path)
-    if scheme == "file":
-        st = os.stat(os.path.join(source.path, name))
-        return (st.st_mtime_ns, st.st_size, st.st_ino)
-    if scheme == "structured":
-        return _Same(source.store._load(name))
+    """What says that the file ``source`` serves for ``config_path`` (not a file source's:
+    see :func:`_file_signature`) is the one read before."""
+    if source.scheme() == "structured":
+        return _Same(source.store._load(_name(config_path)))
     return None  # a package's resources: the installed package, fixed for the process
 
 
@@ -89,10 +111,14 @@ def _serves(source: Any, config_path: str) -> bool:
 def _read(repo: Any, config_path: str) -> tuple[str, str | None, object]:
     """(the config path, the source that serves it now, its signature): the first source
     that has it, as ``ConfigRepository._find_object_source`` finds it."""
-    source = next((s for s in repo.get_sources() if _serves(s, config_path)), None)
-    if source is None:
-        return config_path, None, None
-    return config_path, source.full_path(), _signature(source, config_path)
+    for source in repo.get_sources():
+        if source.scheme() == "file":
+            signature = _file_signature(source, config_path)
+            if signature is not None:
+                return config_path, source.full_path(), signature
+        elif _serves(source, config_path):
+            return config_path, source.full_path(), _signature(source, config_path)
+    return config_path, None, None
 
 
 def _unchanged(repo: Any, reads: tuple[tuple[str, str | None, object], ...]) -> bool:
