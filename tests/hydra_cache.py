@@ -163,17 +163,21 @@ class Frozen:
         return unpickler.load()
 
 
-def _kept(obj: Any, config: Callable[[Any], Any] = lambda o: o) -> Frozen:
-    """A copy to keep: its configuration (``config(obj)``) without what its resolvers have
-    cached (``${now:...}``, which Hydra resolves while it merges), so that each use resolves
-    them afresh, as each composition by Hydra does."""
+def _kept(obj: Any, config: Callable[[Any], Any] = lambda o: o, edit: Callable[[Any], Any] | None = None) -> Frozen:
+    """A copy to keep: its configuration (``config(obj)``, which only reads) without what its
+    resolvers have cached (``${now:...}``, which Hydra resolves while it merges), so that
+    each use resolves them afresh, as each composition by Hydra does; ``edit`` is applied to
+    the copy, never to ``obj`` (which Hydra goes on using). Without a cached value or an
+    edit, ``obj`` is kept as it is."""
     from omegaconf import OmegaConf
 
     frozen = Frozen(obj)
-    if not any(OmegaConf.get_cache(config(obj)).values()):  # nothing resolved yet: nothing to leave out
+    if edit is None and not any(OmegaConf.get_cache(config(obj)).values()):
         return frozen
     kept = frozen.copy()
     OmegaConf.clear_cache(config(kept))
+    if edit is not None:
+        edit(kept)
     return Frozen(kept)
 
 
@@ -309,7 +313,7 @@ def _merged_from_a_kept_prefix(loader: Any, defaults: list[Any], repo: Any, sour
     with flag_override(cfg, "no_deepcopy_set_nodes", True):
         for i in range(start, len(defaults)):
             if i in ends and i > start:
-                _prefixes[(sources, items[:i])] = (tuple(reads), _kept(cfg, _without_merge_flag))
+                _prefixes[(sources, items[:i])] = (tuple(reads), _kept(cfg, edit=_without_merge_flag))
             loaded = loader._load_single_config(default=defaults[i], repo=repo)
             try:
                 cfg.merge_with(loaded.config)

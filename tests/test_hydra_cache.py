@@ -39,7 +39,9 @@ def _composed(overrides: list[str], mode: RunMode = RunMode.RUN) -> dict[str, An
             cfg = loader.load_configuration("train", overrides, run_mode=mode)
     except Exception as e:  # noqa: BLE001 - the error is what is compared
         return {"error": f"{type(e).__name__}: {e}"}
-    flags = [OmegaConf.is_struct(cfg), OmegaConf.is_readonly(cfg), OmegaConf.is_readonly(cfg.hydra)]
+    # and every flag set on the root itself (a merge's own flag, left set, is not Hydra's)
+    flags = [OmegaConf.is_struct(cfg), OmegaConf.is_readonly(cfg), OmegaConf.is_readonly(cfg.hydra),
+             sorted((k, v) for k, v in cfg._metadata.flags.items() if v is not None)]
     return {"yaml": OmegaConf.to_yaml(cfg), "flags": flags, "run dir": str(cfg.hydra.run.dir)}
 
 
