@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import ast
 import functools
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "perfrun"
 
@@ -53,6 +56,13 @@ def _tree(path: Path) -> ast.Module:
     """A module's syntax tree, parsed once for every rule below (the source does not change
     while the tests run)."""
     return ast.parse(path.read_text())
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _trees_given_back() -> Iterator[None]:
+    """The trees are let go with this file: the test process has other files to run."""
+    yield
+    _tree.cache_clear()
 
 
 def _imports(path: Path, name: str, modules: dict[str, Path]) -> set[str]:
