@@ -100,10 +100,11 @@ class Server:
         log = self.folder / "warm.log"
         end = time.monotonic() + 120
         while not os.path.exists(self.path):
-            said = log.read_text() if log.exists() else "its folder is gone"
-            if time.monotonic() > end or "Traceback" in said or said == "its folder is gone":
+            said = log.read_text() if log.exists() else None
+            if said is None or "Traceback" in said or time.monotonic() > end:
                 self.close()
-                raise RuntimeError(f"the warm interpreter did not start: {said[-2000:]}")
+                raise RuntimeError(f"the warm interpreter did not start: "
+                                   f"{'its folder is gone' if said is None else said[-2000:]}")
             time.sleep(0.01)
         # a fresh interpreter prints what its imports print (a warning, say) before perfrun's
         # own output: where the warm one's imports printed anything, its children would not
