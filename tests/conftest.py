@@ -187,6 +187,19 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(before)
 
 
+
+@pytest.fixture
+def one_cxx_build_per_graph() -> Iterator[None]:
+    """The CPU tests that compile with inductor build one C++ file per compiled graph
+    (inductor's C++ wrapper) instead of one per kernel: on a machine whose inductor cache is
+    still empty that is ~30 CPU s less for the five of them (docs/test-suite.md), on a warm
+    cache the same. What they check (the tokens, the losses, the compiled frames, the time
+    reported apart) does not depend on the wrapper; the GPU suite runs inductor's default."""
+    import torch._inductor.config as inductor
+
+    with inductor.patch(cpp_wrapper=True):
+        yield
+
 @pytest.fixture(scope="session")
 def one_process_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
     """RANKS_COMMON in one process with batch 4: the losses, weights and summary that 2 DDP or
