@@ -100,10 +100,10 @@ def _estimate(cfg: EstimateJobConfig) -> tuple[dict[str, Any], list[str]]:
     if cfg.dataloader.batch_size == "auto":
         raise ConfigError("dataloader.batch_size=auto: the estimate needs a batch size; give one "
                           "(the estimate then says the largest that fits)")
+    limit, where = memory_limit(cfg.memory.size)  # a memory.size that is no size is refused before any work
     vocab = vocab_of(cfg)
     e = estimate(cfg, vocab, top=cfg.estimate.top)
     lines = describe(cfg, e)
-    limit, where = memory_limit(cfg.memory.size)
     doc: dict[str, Any] = {**e.to_dict(), "config": _knobs(cfg), "memory_limit_bytes": limit, "memory_limit_source": where}
     largest = None
     if limit is not None and cfg.estimate.fit:
