@@ -55,15 +55,18 @@ def test_default_data_learns_beyond_unigram(tmp_path: Path) -> None:
 
 def watch_training_forwards(monkeypatch: pytest.MonkeyPatch) -> list[tuple[torch.dtype, int]]:
     """Per training forward of the run's GPT: the dtype its first block's MLP produced and
-    how many tensors autograd kept for the backward (the FLOP count's forward on fake
-    tensors, and evaluation's without grad, left out). Cleared by the caller between runs."""
+    how many tensors autograd kept for the backward (the FLOP count's forward, on fake
+    tensors or under its counting mode, and evaluation's without grad, left out: the first
+    job of a process counts a small model's FLOPs on real tensors). Cleared by the caller
+    between runs."""
     from torch._subclasses.fake_tensor import FakeTensor
+    from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
     seen: list[tuple[torch.dtype, int]] = []
     real = GPT.forward
 
     def forward(self: GPT, idx: torch.Tensor, *args: object, **kwargs: object) -> object:
-        if isinstance(idx, FakeTensor) or not torch.is_grad_enabled():
+        if isinstance(idx, FakeTensor) or not torch.is_grad_enabled() or is_in_torch_dispatch_mode():
             return real(self, idx, *args, **kwargs)
         got: dict = {"saved": 0}
 
