@@ -187,7 +187,6 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(before)
 
 
-
 @pytest.fixture
 def one_cxx_build_per_graph() -> Iterator[None]:
     """The CPU tests that compile with inductor build one C++ file per compiled graph
@@ -199,6 +198,7 @@ def one_cxx_build_per_graph() -> Iterator[None]:
 
     with inductor.patch(cpp_wrapper=True):
         yield
+
 
 @pytest.fixture(scope="session")
 def one_process_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
