@@ -204,8 +204,17 @@ def test_the_command_prints_an_estimate_and_the_knob_that_would_fit(capsys: pyte
     assert doc["peak_bytes"] == peak and 1 <= doc["largest_batch"]["batch_size"] < 8
     knobs = {k["overrides"]: k for k in doc["knobs"]}
     assert knobs["checkpointing=full"]["fits"] and knobs["checkpointing=full"]["peak_bytes"] < peak * 0.7
+
+
+def test_a_memory_size_that_is_no_size_is_refused_before_any_work(capsys: pytest.CaptureFixture[str],
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_work(*_: object, **__: object) -> None:
+        raise AssertionError("the data was read before memory.size was checked")
+
+    monkeypatch.setattr(estimate_command, "vocab_of", no_work)
     assert estimate_command.main(["memory.size=lots"]) == 2
-    assert "memory.size=lots is not a memory size" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "memory.size=lots is not a memory size" in err and "Traceback" not in err
 
 
 def test_the_train_log_says_the_estimate_and_warns_before_step_1(caplog: pytest.LogCaptureFixture) -> None:
