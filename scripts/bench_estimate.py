@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The CPU time of one memory estimate (``perfrun estimate``'s unit of work: it makes one, and
 up to a dozen more when the configuration does not fit) with the memory tracker's statistics
-kept in perfrun's :class:`~perfrun.telemetry.memory_tracker.ModuleStats` and in torch's own
+kept in perfrun's :class:`~perfrun.memory.tracker.ModuleStats` and in torch's own
 dictionary, alternated in one process so that both see the same machine.
 
     python scripts/bench_estimate.py [--layers N] [--repeats R]
@@ -25,9 +25,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from perfrun.config import TrainConfig  # noqa: E402
-from perfrun.loop.memory import estimate as estimating  # noqa: E402
-from perfrun.loop.memory.preflight import GPT2_SHAPE  # noqa: E402
-from perfrun.telemetry import memory_tracker  # noqa: E402
+from perfrun.memory import estimate as estimating  # noqa: E402
+from perfrun.memory import tracker as memory_tracker  # noqa: E402
+from perfrun.memory.preflight import GPT2_SHAPE  # noqa: E402
 
 
 def one(cfg: TrainConfig, stats: type) -> tuple[float, dict]:

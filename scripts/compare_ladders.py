@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from perfrun.checkpoint.atomic import write_json  # noqa: E402
 from perfrun.console import error, first_line  # noqa: E402
-from perfrun.report.sweep_summary import SWEEP_JSON  # noqa: E402
+from perfrun.ladder.sweep_files import SWEEP_JSON  # noqa: E402
 
 #: the parts of sweep_summary.json whose entries are rungs with a tokens/s median
 PARTS = ("ladder", "alternatives", "leave_one_out")

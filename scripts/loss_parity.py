@@ -4,7 +4,7 @@
     python scripts/loss_parity.py BASE_RUN OTHER_RUN [--window FRACTION]
 
 Each RUN is a job folder with metrics.jsonl. The comparison is the ladder's
-(:func:`perfrun.report.ladder.loss_parity`): the mean train loss over the last ``--window`` of
+(:func:`perfrun.ladder.analysis.loss_parity`): the mean train loss over the last ``--window`` of
 the steps both logged, as a relative difference, and the largest relative difference at any
 common step. One line, for the digest of ``scripts/gpu_bench.sh``.
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from perfrun.console import error  # noqa: E402
-from perfrun.report.ladder import DEFAULT_LOSS_WINDOW, loss_parity, train_losses  # noqa: E402
+from perfrun.ladder.analysis import DEFAULT_LOSS_WINDOW, loss_parity, train_losses  # noqa: E402
 from perfrun.summary import read_summary  # noqa: E402
 
 

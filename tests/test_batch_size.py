@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from perfrun.config import ConfigError
-from perfrun.loop.auto_batch import LiveTensorMemory, NoBatchFits, search
 from perfrun.loop.run import run
 from perfrun.loop.setup import Resolved, setup
 from perfrun.loop.step import TrainStep
+from perfrun.memory.batch_size import LiveTensorMemory, NoBatchFits, search
 from perfrun.validate import validate
 
 from conftest import make_cfg
@@ -179,7 +179,7 @@ def test_a_repeat_of_the_same_job_reuses_its_search_and_another_job_searches() -
     differs between repeats (the repeat's number, whether repeat 0 tracks the memory) keys the
     same search; any other difference, or another device, searches again."""
     from perfrun.config import as_dict
-    from perfrun.loop.found_batches import FoundBatches
+    from perfrun.memory.found_batches import FoundBatches
 
     found, searches = FoundBatches(), []
 

@@ -90,7 +90,7 @@ def test_what_applies_is_listed_and_what_does_not_says_why() -> None:
 
 
 def test_the_ladder_skips_a_rung_the_model_cannot_take_and_turns_inherited_ones_off() -> None:
-    from perfrun.commands.rungs import decide
+    from perfrun.ladder.rungs import decide
 
     chunked = decide(make_cfg(*CUSTOM, "+ablation=chunked_loss"))
     assert chunked.skip is not None and chunked.skip.startswith("not applicable to model custom: loss=chunked needs")
@@ -131,8 +131,8 @@ def test_a_ladders_calibration_runs_each_rung_as_its_job_will_on_this_model() ->
     your own model ran every job at full length with no estimate."""
     from hydra import compose, initialize_config_dir
 
-    from perfrun.commands.sweep_plan import _calibrate
     from perfrun.config import config_dir, register_configs
+    from perfrun.ladder.plan import _calibrate
 
     register_configs()
     with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from perfrun.config import ConfigError
+from perfrun.ladder.analysis import read_sweep
 
 from conftest import REPO, make_cfg
 
@@ -54,8 +55,7 @@ def test_the_example_laddered_skips_what_cannot_act(tmp_path: Path, one_thread: 
     """A few rungs for test time (the top rungs compile, minutes on a CPU): the baseline runs,
     attention and the chunked loss are skipped with the piece they miss, checkpointing acts on
     the example's blocks with the chunked loss it inherits turned off; the report names the model."""
-    from perfrun import report
-    from perfrun.commands.rungs import run_rung
+    from perfrun.ladder.rungs import run_rung
     from perfrun.report.render import header
 
     rungs = {"naive": [], "sdpa": [], "chunked_loss": [], "checkpointing_full": ["compile=false"]}
@@ -67,7 +67,7 @@ def test_the_example_laddered_skips_what_cannot_act(tmp_path: Path, one_thread: 
     assert "attention=sdpa needs `config.attention`" in s[1]["reason"]
     assert s[2]["reason"].startswith("not applicable to model custom: loss=chunked needs `lm_head`")
     assert "loss=standard" in s[3]["overrides"] and s[3]["knobs"]["checkpointed_blocks"] == 2
-    loaded = report.load([tmp_path])
+    loaded = read_sweep([tmp_path])
     (a,) = loaded.ladders
     chunked = next(e for e in a["ladder"] if e["rung"] == "chunked_loss")
     assert not chunked["applicable"] and chunked["verdict"].startswith("not applicable to model custom: loss=chunked")

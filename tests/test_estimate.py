@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from perfrun.commands import estimate as estimate_command
-from perfrun.loop.memory.estimate import EstimateError, estimate, optimizer_state
-from perfrun.loop.memory.fit import largest_batch, parse_size
-from perfrun.telemetry.memory_tracker import CATEGORIES
+from perfrun.memory.estimate import EstimateError, estimate, optimizer_state
+from perfrun.memory.fit import largest_batch, parse_size
+from perfrun.memory.tracker import CATEGORIES
 
 from conftest import TINY_MODEL, make_cfg
 
@@ -218,7 +218,7 @@ def test_a_memory_size_that_is_no_size_is_refused_before_any_work(capsys: pytest
 
 
 def test_the_train_log_says_the_estimate_and_warns_before_step_1(caplog: pytest.LogCaptureFixture) -> None:
-    from perfrun.loop.memory.preflight import train_preflight
+    from perfrun.memory.preflight import train_preflight
 
     cpu = torch.device("cpu")
     assert train_preflight(make_cfg(*SMALL), VOCAB, cpu, 1) is None  # off on the CPU unless asked

@@ -12,6 +12,7 @@ import torch
 
 from perfrun import report
 from perfrun.data.handoff_timer import HandOffTimer
+from perfrun.ladder.analysis import read_sweep
 from perfrun.report.noise import effect, spread
 from perfrun.telemetry import contention
 
@@ -87,7 +88,7 @@ def test_noise_floor_is_the_min_max_range() -> None:
 
 def test_the_ladder_from_planted_jobs(tmp_path: Path) -> None:
     plant_ladder(tmp_path)
-    r = report.load([tmp_path])
+    r = read_sweep([tmp_path])
     (a,) = r.ladders
     rungs = {e["rung"]: e for e in a["ladder"]}
     assert [e["rung"] for e in a["ladder"]] == ["naive", "tf32", "bf16", "sdpa", "compile"]
@@ -133,7 +134,7 @@ def test_nothing_faster_than_the_naive_trainer_outside_the_noise_recommends_it(t
                           "sdpa": [900, 910, 905], "compile": [1010, 1050, 985]}.items():
             plant(tmp_path / str(n), rung, repeat, tps[repeat])
             n += 1
-    (a,) = report.load([tmp_path]).ladders
+    (a,) = read_sweep([tmp_path]).ladders
     rec = a["recommended"]
     assert rec["measured_as"] == "naive" and rec["knobs"] == [] and rec["fastest"] == "compile"
     assert rec["line"] == "perfrun train attention=eager"  # the naive trainer, from perfrun's defaults
@@ -142,7 +143,7 @@ def test_nothing_faster_than_the_naive_trainer_outside_the_noise_recommends_it(t
 
 def test_a_contended_job_is_marked_and_never_counted(tmp_path: Path) -> None:
     plant_ladder(tmp_path, contend="compile")
-    r = report.load([tmp_path])
+    r = read_sweep([tmp_path])
     rungs = {e["rung"]: e for e in r.ladders[0]["ladder"]}
     assert rungs["compile"]["n"] == 2 and rungs["compile"]["contended"] == 1
     assert rungs["compile"]["tokens_per_s"] == pytest.approx(2975)  # 3000 and 2950, not the contended 3100
@@ -164,7 +165,7 @@ def test_repeats_of_a_sweep_are_grouped_and_no_winner_inside_the_noise(tmp_path:
                 "status": "completed", "overrides": [f"dataloader.batch_size={batch}", f"repeat={repeat}"],
                 "tokens_per_s_median": tps, "config": {"repeat": repeat}}))
             n += 1
-    r = report.load([tmp_path])
+    r = read_sweep([tmp_path])
     assert r.swept_keys == ["dataloader.batch_size"]  # repeat is not a knob
     assert [(g.overrides, g.jobs, g.tps.median) for g in r.groups] == [
         (["dataloader.batch_size=4"], ["0", "2", "4"], 1000), (["dataloader.batch_size=8"], ["1", "3", "5"], 1050)]
@@ -257,7 +258,7 @@ def test_loss_parity_calibrated_by_seeds_flags_a_10x_learning_rate_not_bf16(tmp_
     for n, (rung, extra) in enumerate(jobs):
         overrides = [f"+ablation={rung}", *extra, "max_steps=40", "log_every=4", "monitor.every_n_steps=0"]
         run(make_cfg(*overrides), tmp_path / str(n), overrides=overrides)
-    (a,) = report.load([tmp_path]).ladders
+    (a,) = read_sweep([tmp_path]).ladders
     rungs = {e["rung"]: e for e in a["ladder"]}
     assert a["seed_gap"] is not None and a["seed_gap"] > 0
     assert rungs["bf16"]["parity"] == "ok", (rungs["bf16"]["loss_rel_diff"], a["loss_tolerance"])
@@ -267,8 +268,8 @@ def test_loss_parity_calibrated_by_seeds_flags_a_10x_learning_rate_not_bf16(tmp_
 def test_a_rung_that_cannot_act_here_is_skipped_and_shown_not_applicable(tmp_path: Path) -> None:
     """FP8 on a CPU: the job trains nothing, says why in its summary, does not fail the
     sweep, and the ladder shows the rung as not applicable, never as a measurement."""
-    from perfrun.commands.rungs import run_rung
-    from perfrun.commands.sweep_callback import failed_jobs
+    from perfrun.ladder.callback import failed_jobs
+    from perfrun.ladder.rungs import run_rung
 
     from conftest import make_cfg
 
@@ -280,7 +281,7 @@ def test_a_rung_that_cannot_act_here_is_skipped_and_shown_not_applicable(tmp_pat
     assert written["status"] == "skipped" and written["config"]["precision"]["name"] == "bf16"
     assert not (tmp_path / "fp8" / "metrics.jsonl").exists()  # nothing trained
     assert failed_jobs(tmp_path) == []
-    (a,) = report.load([tmp_path]).ladders
+    (a,) = read_sweep([tmp_path]).ladders
     fp8 = next(e for e in a["ladder"] if e["rung"] == "fp8")
     assert not fp8["applicable"] and fp8["n"] == 0 and fp8["failed"] == 0 and fp8["tokens_per_s"] is None
     assert fp8["verdict"].startswith("not applicable on cpu: FP8 matmuls need FP8 tensor cores")
@@ -306,7 +307,7 @@ def test_loss_parity_holds_when_every_naive_job_shared_the_machine(tmp_path: Pat
         if s["config"]["ablation"]["rung"] == "naive":
             s["contention"] = {"contended": True, "evidence": ["planted neighbour"]}
             summary.write_text(json.dumps(s))
-    (a,) = report.load([tmp_path]).ladders
+    (a,) = read_sweep([tmp_path]).ladders
     rungs = {e["rung"]: e for e in a["ladder"]}
     assert rungs["naive"]["n"] == 0 and rungs["naive"]["contended"] == 3
     assert a["seed_gap"] == pytest.approx(0.01) and rungs["bf16"]["parity"] == "ok"
@@ -317,7 +318,7 @@ def test_at_80_columns_the_tables_leave_columns_out_rather_than_cut_figures(tmp_
     """A terminal of 80 columns: every table fits without an ellipsis, the least needed columns
     are left out and named under their table; a wide terminal shows them all."""
     plant_ladder(tmp_path)
-    r = report.load([tmp_path])
+    r = read_sweep([tmp_path])
     narrow = report.render_text(r, width=80)
     table_lines = [line for line in narrow.splitlines() if line[:1] in "┏┃┡│└"]
     assert table_lines and all(len(line) <= 80 for line in table_lines)

@@ -16,11 +16,12 @@ from typing import Any
 
 import pytest
 
-from perfrun.loop.memory.estimate import estimate
+from perfrun.ladder.analysis import read_sweep
 from perfrun.loop.run import run
-from perfrun.telemetry import memory_tracker
-from perfrun.telemetry.memory_breakdown import one_line
-from perfrun.telemetry.memory_tracker import CATEGORIES
+from perfrun.memory import tracker as memory_tracker
+from perfrun.memory.breakdown import one_line
+from perfrun.memory.estimate import estimate
+from perfrun.memory.tracker import CATEGORIES
 
 from conftest import make_cfg
 
@@ -179,14 +180,13 @@ def plant(job: Path, rung: str, kind: str, knob: str, tps: float, act: int, temp
 
 
 def test_the_ladder_names_the_category_a_memory_knob_freed(tmp_path: Path) -> None:
-    from perfrun import report
-    from perfrun.report.memory_plot import memory_png
+    from perfrun.ladder.memory_plot import memory_png
 
     gib = 2**30
     plant(tmp_path / "0", "compile", "ladder", "", 1000.0, 2 * gib, gib // 4)
     plant(tmp_path / "1", "checkpointing_full", "tradeoff", "checkpointing=full", 770.0, gib // 2, gib // 2)
     plant(tmp_path / "2", "largest_batch", "tradeoff", "checkpointing=none", 1100.0, 8 * gib, gib)
-    (a,) = report.load([tmp_path]).ladders
+    (a,) = read_sweep([tmp_path]).ladders
     assert a["ladder"][0]["memory_breakdown"]["categories_bytes"]["Activation"] == 2 * gib
     full = next(t for t in a["tradeoffs"] if t["setting"] == "checkpointing=full")
     assert full["memory_verdict"] == "checkpointing=full freed 1.25 GiB of activations for 23 % of speed"

@@ -14,10 +14,10 @@ from matplotlib.container import ErrorbarContainer
 from test_ladder import plant, plant_ladder
 from test_report import make_job, make_sweep
 
-from perfrun import report
 from perfrun.commands.report import RUN_PNG
 from perfrun.commands.report import main as report_main
-from perfrun.report.ladder_plot import ladder_figure
+from perfrun.ladder.analysis import read_sweep
+from perfrun.ladder.plot import ladder_figure
 from perfrun.report.plot import sweep_figure
 from perfrun.report.run_plot import run_figure
 
@@ -49,7 +49,7 @@ def one_line(text: str) -> str:
 def test_the_sweep_plot_draws_contended_and_failed_jobs_apart_and_never_on_a_line(tmp_path: Path) -> None:
     make_sweep(tmp_path)  # batch 8, 16, 32 (failed), 64
     contend(tmp_path / "1")
-    fig = sweep_figure(report.load([tmp_path]))
+    fig = sweep_figure(read_sweep([tmp_path]))
     (ax,) = fig.axes
     apart = {line.get_label(): points(line) for line in hollow(ax)}
     assert apart == {"shared the machine: not counted": {(1, 1800.0)}, "failed or unfinished: no figure": {(2, 0.0)}}
@@ -65,7 +65,7 @@ def test_sweep_bars_carry_their_spread_and_a_single_run_says_so(tmp_path: Path) 
     for n, (precision, repeat, tps) in enumerate([("none", 0, 1000.0), ("bf16", 0, 1500.0), ("none", 1, 1100.0),
                                                   ("fp16", 0, 900.0)]):
         make_job(tmp_path / str(n), [f"precision={precision}", f"repeat={repeat}"], tps=tps)
-    fig = sweep_figure(report.load([tmp_path]))
+    fig = sweep_figure(read_sweep([tmp_path]))
     (ax,) = fig.axes
     bars = {round(p.get_x() + p.get_width() / 2): p.get_height() for p in ax.patches}
     assert bars == {0: 1050.0, 1: 1500.0, 2: 900.0}  # none: the median of its two repeats
@@ -77,7 +77,7 @@ def test_sweep_bars_carry_their_spread_and_a_single_run_says_so(tmp_path: Path) 
 
 def test_the_ladder_plot_reads_what_stands(tmp_path: Path) -> None:
     plant_ladder(tmp_path, contend="compile")
-    r = report.load([tmp_path])
+    r = read_sweep([tmp_path])
     (a,) = r.ladders
     fig = ladder_figure(r, a)
     waterfall, loo = fig.axes[0], fig.axes[1]
@@ -114,7 +114,7 @@ def test_the_ladder_plot_of_single_runs_with_a_contended_baseline(tmp_path: Path
                                                 ("compile", 1500, False), ("without_bf16", 13287, False),
                                                 ("without_compile", 690, False)]):
         plant(tmp_path / str(n), rung, 0, tps, contended=contended)
-    r = report.load([tmp_path])
+    r = read_sweep([tmp_path])
     (a,) = r.ladders
     fig = ladder_figure(r, a)
     waterfall, loo = fig.axes[0], fig.axes[1]
@@ -136,7 +136,7 @@ def test_report_on_a_single_run_plots_loss_and_tokens_per_s_and_says_where(
     out = capsys.readouterr().out
     assert f"report: wrote {tmp_path / 'run' / RUN_PNG}" in out
     assert (tmp_path / "run" / RUN_PNG).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    r = report.load([tmp_path / "run"])
+    r = read_sweep([tmp_path / "run"])
     fig = run_figure(r, r.rows[0])
     ax_loss, ax_tps = fig.axes
     by_label = {line.get_label(): line for line in ax_loss.lines}

@@ -19,9 +19,11 @@ from test_ladder import plant_ladder
 
 from perfrun import report
 from perfrun.commands.report import main as report_main
-from perfrun.commands.sweep_callback import SweepSummary
 from perfrun.commands.train import train_main
 from perfrun.commands.tune import kept_logging
+from perfrun.ladder import sweep_files
+from perfrun.ladder.analysis import read_sweep
+from perfrun.ladder.callback import SweepSummary
 from perfrun.report.columns import LADDER_COLUMNS, run_columns, shown
 from perfrun.report.render import sections
 
@@ -64,7 +66,7 @@ def make_sweep(root: Path) -> list[dict]:
 
 def test_rows_come_from_each_summary(tmp_path: Path) -> None:
     summaries = make_sweep(tmp_path)
-    r = report.load([tmp_path])
+    r = read_sweep([tmp_path])
     assert [row.job for row in r.rows] == ["0", "1", "2", "10"]  # natural order, not 0, 1, 10, 2
     assert r.swept_keys == ["dataloader.batch_size"]  # the common overrides are not "swept"
     for row, s in zip(r.rows, summaries, strict=True):
@@ -77,7 +79,7 @@ def test_rows_come_from_each_summary(tmp_path: Path) -> None:
 
 def test_csv_and_json_round_trip_exactly(tmp_path: Path) -> None:
     summaries = make_sweep(tmp_path)
-    r = report.load([tmp_path])
+    r = read_sweep([tmp_path])
     rows = list(csv.DictReader(io.StringIO(report.to_csv(r))))
     assert [row["dataloader.batch_size"] for row in rows] == ["8", "16", "32", "64"]
     for row, s in zip(rows, summaries, strict=True):
@@ -90,7 +92,7 @@ def test_csv_and_json_round_trip_exactly(tmp_path: Path) -> None:
 
 def test_table_marks_the_best_and_lists_failures(tmp_path: Path) -> None:
     make_sweep(tmp_path)
-    text = report.render_text(report.load([tmp_path]), width=200)
+    text = report.render_text(read_sweep([tmp_path]), width=200)
     best = [line for line in text.splitlines() if "★" in line and "│" in line]
     assert len(best) == 1 and "dataloader.batch_size=16" in best[0] and "1,800" in best[0]
     assert "2: failed: out of memory on cuda:0" in text
@@ -103,7 +105,7 @@ def test_missing_and_broken_summaries_become_rows(tmp_path: Path) -> None:
     (tmp_path / "1" / ".hydra" / "overrides.yaml").write_text("- a=2\n")
     (tmp_path / "2").mkdir()
     (tmp_path / "2" / "summary.json").write_text('{"status": "compl')  # cut short
-    r = report.load([tmp_path])
+    r = read_sweep([tmp_path])
     assert [(row.job, row.status) for row in r.rows] == [("0", "completed"), ("1", "missing"), ("2", "unreadable")]
     assert r.rows[1].overrides == ["a=2"] and "killed" in (r.rows[1].reason or "")
 
@@ -111,7 +113,7 @@ def test_missing_and_broken_summaries_become_rows(tmp_path: Path) -> None:
 def test_several_dirs_compare(tmp_path: Path) -> None:
     make_sweep(tmp_path / "a")
     make_job(tmp_path / "b", ["dataloader.batch_size=16", "precision=bf16"], tps=2500.0)
-    r = report.load([tmp_path / "a", tmp_path / "b"])
+    r = read_sweep([tmp_path / "a", tmp_path / "b"])
     assert r.swept_keys[0] == "source" and len(r.rows) == 5
     assert r.best == str(tmp_path / "b")
     assert {row.swept["source"] for row in r.rows} == {str(tmp_path / "a"), str(tmp_path / "b")}
@@ -140,7 +142,7 @@ def test_bad_option_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[st
 def test_csv_json_html_and_plot_outputs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     make_sweep(tmp_path / "s")
     assert report_main([str(tmp_path / "s"), "--csv"]) == 0
-    assert capsys.readouterr().out == report.to_csv(report.load([tmp_path / "s"]))
+    assert capsys.readouterr().out == report.to_csv(read_sweep([tmp_path / "s"]))
     assert report_main([str(tmp_path / "s"), "--json", "--html", str(tmp_path / "r.html"),
                         "--plot", str(tmp_path / "r.png")]) == 0
     assert json.loads(capsys.readouterr().out)["best"] == "1"
@@ -154,10 +156,10 @@ def test_without_matplotlib_one_warning_and_the_rest(tmp_path: Path, monkeypatch
     make_sweep(tmp_path)
     for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")] or ["matplotlib"]:
         monkeypatch.setitem(sys.modules, name, None)  # as if it were not installed
-    report.write_sweep_summary(tmp_path)
+    sweep_files.write_sweep_summary(tmp_path)
     out, err = capsys.readouterr()
-    assert (tmp_path / report.SWEEP_CSV).is_file() and (tmp_path / report.SWEEP_JSON).is_file()
-    assert not (tmp_path / report.SWEEP_PNG).exists()
+    assert (tmp_path / sweep_files.SWEEP_CSV).is_file() and (tmp_path / sweep_files.SWEEP_JSON).is_file()
+    assert not (tmp_path / sweep_files.SWEEP_PNG).exists()
     warnings = [line for line in err.splitlines() if line.strip()]
     assert len(warnings) == 1 and 'pip install "perfrun[plot]"' in warnings[0]
     assert "★" in out
@@ -168,8 +170,8 @@ def test_sweep_callback_writes_and_never_raises(tmp_path: Path, capsys: pytest.C
 
     make_sweep(tmp_path / "sweep")
     SweepSummary().on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path / "sweep")}}}))
-    assert (tmp_path / "sweep" / report.SWEEP_PNG).read_bytes()[:4] == b"\x89PNG"
-    assert json.loads((tmp_path / "sweep" / report.SWEEP_JSON).read_text())["best"] == "1"
+    assert (tmp_path / "sweep" / sweep_files.SWEEP_PNG).read_bytes()[:4] == b"\x89PNG"
+    assert json.loads((tmp_path / "sweep" / sweep_files.SWEEP_JSON).read_text())["best"] == "1"
     capsys.readouterr()
     SweepSummary().on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path / "empty")}}}))
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
@@ -190,7 +192,7 @@ def headers(report_: report.Report) -> dict[str, list[list[str]]]:
 
 def test_one_column_spec_gives_the_same_columns_in_every_format(tmp_path: Path) -> None:
     plant_ladder(tmp_path)
-    r = report.load([tmp_path])
+    r = read_sweep([tmp_path])
     secs = sections(r)
     expected = [[c.header for c in shown(sec.columns, sec.rows, tables=True)] for sec in secs]
     assert [sec.title.split(" ")[0] for sec in secs] == ["perfrun:", "ladder", "alternatives",
@@ -219,14 +221,14 @@ def test_a_column_with_no_figure_in_any_row_is_left_out_of_every_format(tmp_path
     for job in ("0", "1", "2", "10"):  # a CPU sweep: no MFU anywhere
         path = tmp_path / job / "summary.json"
         path.write_text(json.dumps({**json.loads(path.read_text()), "mfu_median": None}))
-    r = report.load([tmp_path])
+    r = read_sweep([tmp_path])
     found = headers(r)
     assert all("MFU %" not in found[fmt][0] for fmt in ("rich", "html", "markdown"))
     assert "mfu" not in found["csv"][0] and "reason" in found["csv"][0]  # job 2 has a reason
     assert "tok/s" in found["rich"][0] and "tokens_per_s" in found["csv"][0]
     one = tmp_path / "1" / "summary.json"
     one.write_text(json.dumps({**json.loads(one.read_text()), "mfu_median": 0.5}))
-    found = headers(report.load([tmp_path]))
+    found = headers(read_sweep([tmp_path]))
     assert all("MFU %" in found[fmt][0] for fmt in ("rich", "html", "markdown")) and "mfu" in found["csv"][0]
 
 
@@ -239,7 +241,7 @@ def test_a_key_left_at_its_default_shows_its_effective_value(
     for name, extra in (("a", ["max_steps=2", "seed=1337"]), ("b", ["max_steps=3", "checkpointing=full"])):
         with kept_logging():  # the Hydra app sets up the root logger for its run
             assert train_main([*quick, *extra, f"hydra.run.dir={name}"]) == 0
-    r = report.load([tmp_path / "a", tmp_path / "b"])
+    r = read_sweep([tmp_path / "a", tmp_path / "b"])
     # seed is 1337 in both (a typed it, b left it): not a key that varies
     assert r.swept_keys == ["source", "max_steps", "checkpointing"]
     a, b = r.rows
@@ -256,4 +258,4 @@ def test_a_key_left_at_its_default_shows_its_effective_value(
     assert report.effective_value(tmp_path / "a", "model.n_embd") == "32"
     assert report.effective_value(tmp_path / "a", "no.such.key") is None
     (tmp_path / "a" / ".hydra" / "config.yaml").unlink()  # no record at all: nothing to show
-    assert report.load([tmp_path / "a", tmp_path / "b"]).rows[0].swept["checkpointing"] is None
+    assert read_sweep([tmp_path / "a", tmp_path / "b"]).rows[0].swept["checkpointing"] is None

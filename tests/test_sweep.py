@@ -19,10 +19,12 @@ from hydra import compose, initialize_config_dir
 
 from perfrun import report
 from perfrun.commands.report import main as report_main
-from perfrun.commands.sweep_callback import failed_jobs
 from perfrun.commands.train import train_main
 from perfrun.commands.tune import kept_logging
 from perfrun.config import config_dir, register_configs
+from perfrun.ladder import sweep_files
+from perfrun.ladder.analysis import read_sweep
+from perfrun.ladder.callback import failed_jobs
 
 from conftest import REPO, TINY_MODEL, launch
 
@@ -45,7 +47,7 @@ def test_sweep_with_a_bad_value_goes_on_and_report_reproduces_it(
 
     jobs = [json.loads((sweep / str(i) / "summary.json").read_text()) for i in range(2)]
     assert [j["status"] for j in jobs] == ["failed", "completed"]
-    rows = list(csv.DictReader(io.StringIO((sweep / report.SWEEP_CSV).read_text())))
+    rows = list(csv.DictReader(io.StringIO((sweep / sweep_files.SWEEP_CSV).read_text())))
     assert [row["job"] for row in rows] == ["0", "1"]
     for row, job in zip(rows, jobs, strict=True):  # one source of truth: the jobs' summary.json
         assert row["status"] == job["status"]
@@ -58,18 +60,18 @@ def test_sweep_with_a_bad_value_goes_on_and_report_reproduces_it(
     assert rows[0]["reason"] == jobs[0]["reason"] and [row["best"] for row in rows] == ["False", str(quiet)]
     # what a launcher running jobs elsewhere leaves: the failed jobs, read back from the folder
     assert failed_jobs(sweep) == [f"job 0 ({' '.join(jobs[0]['overrides'])}): {jobs[0]['reason']}"]
-    data = json.loads((sweep / report.SWEEP_JSON).read_text())
+    data = json.loads((sweep / sweep_files.SWEEP_JSON).read_text())
     assert data["swept_keys"] == ["dataloader.batch_size"] and data["best"] == ("1" if quiet else None)
-    assert (sweep / report.SWEEP_PNG).read_bytes()[:4] == b"\x89PNG"
+    assert (sweep / sweep_files.SWEEP_PNG).read_bytes()[:4] == b"\x89PNG"
     # the failed job left the process as it found it
     assert jobs[1]["global_state_at_start"] == jobs[0]["global_state_at_start"] == jobs[1]["global_state_after"]
 
     # perfrun report reproduces the callback's files and table exactly
     assert report_main([str(sweep), "--csv"]) == 0
-    assert capfd.readouterr().out == (sweep / report.SWEEP_CSV).read_text()
+    assert capfd.readouterr().out == (sweep / sweep_files.SWEEP_CSV).read_text()
     assert report_main([str(sweep), "--json"]) == 0
-    assert capfd.readouterr().out == (sweep / report.SWEEP_JSON).read_text()
-    table = report.render_text(report.load([sweep]), width=200)  # COLUMNS=200 above
+    assert capfd.readouterr().out == (sweep / sweep_files.SWEEP_JSON).read_text()
+    table = report.render_text(read_sweep([sweep]), width=200)  # COLUMNS=200 above
     assert table.strip() and table in r.out
 
 
@@ -143,7 +145,7 @@ def test_out_of_memory_job_does_not_stop_the_sweep_nor_leak(
                if json.loads(line)["kind"] == "train"] for i in (0, 2)]
     assert curves[0] == curves[1] and len(curves[0]) == 6  # the job after the OOM is the job before it
     assert jobs[0]["global_state_at_start"] == jobs[2]["global_state_at_start"] == jobs[2]["global_state_after"]
-    data = json.loads((sweep / report.SWEEP_JSON).read_text())
+    data = json.loads((sweep / sweep_files.SWEEP_JSON).read_text())
     assert [row["status"] for row in data["rows"]] == ["completed", "failed", "completed"]
 
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from perfrun.commands import sweep_plan
 from perfrun.commands.train import train_main
+from perfrun.ladder import plan as sweep_plan
 from perfrun.loop.budget import MIN_STEADY_STEPS
 from perfrun.loop.run import run
 
@@ -115,8 +115,8 @@ def test_the_budgets_are_replanned_after_each_job_to_end_within_the_target(tmp_p
     """Jobs that ran twice their estimate (a graph compiled for the first time, a batch search):
     the jobs left get a smaller shared budget, written where they read it, so that they fit
     the time left; jobs on time leave the budget where it is."""
-    from perfrun.commands import sweep_plan
-    from perfrun.commands.sweep_plan import SweepPlan, Timing
+    from perfrun.ladder import plan as sweep_plan
+    from perfrun.ladder.plan import SweepPlan, Timing
 
     t = Timing(setup_s=0.5, first_step_s=1.0, step_s=0.1, eval_s=0.0)
     plan = SweepPlan(kinds=["none/eager"] * 20, steps=[100] * 20, timings={"none/eager": t})

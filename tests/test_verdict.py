@@ -14,8 +14,9 @@ from hypothesis import strategies as st
 from test_ladder import CONFIG, plant
 
 from perfrun import report
+from perfrun.ladder.analysis import read_sweep
+from perfrun.ladder.verdict import RERUN_BASELINE
 from perfrun.report.noise import OUTLIER_RATIO, Spread, effect, outliers, spread
-from perfrun.report.verdict import RERUN_BASELINE
 
 RUNGS = ["naive", "naive_seed", "bf16", "fp16", "sdpa", "compile", "without_bf16", "without_sdpa", "without_compile"]
 SPEEDS = [154, 660, 990, 1000, 1010, 1040, 1500, 1550, 3000, 3100, 12900, 13287, 15958]
@@ -39,7 +40,7 @@ def load(jobs: dict[str, list[tuple[int, bool, str]]], flagged: set[str] = froze
                 plant(Path(d) / str(n), rung, repeat, tps, contended=contended, status=status,
                       loss_scale=1.2 if rung in flagged else 1.0)
                 n += 1
-        r = report.load([d])
+        r = read_sweep([d])
         return r, r.ladders[0], report.render_text(r, width=400), json.loads(report.to_json(r))
 
 

@@ -1,5 +1,5 @@
 """``perfrun estimate [overrides]``: the memory a training configuration will need, before
-anything runs (:mod:`perfrun.loop.memory.estimate`: the run's model, knobs, optimizer, loss and
+anything runs (:mod:`perfrun.memory.estimate`: the run's model, knobs, optimizer, loss and
 batch under fake tensors, the optimizer's state made, one step under torch's memory tracker,
 nothing allocated).
 
@@ -67,7 +67,7 @@ class EstimateCommand(HydraCommand):
 
 def run(cfg: EstimateJobConfig) -> int:
     """The estimate of ``cfg``: 0 printed (fitting or not), 1 when it cannot be made, 2 for a config error."""
-    from perfrun.loop.memory.estimate import EstimateError
+    from perfrun.memory.estimate import EstimateError
 
     try:
         validate(replace(cfg, nproc=1))  # nproc ranks are estimated here, not started (no torchrun to check)
@@ -93,9 +93,9 @@ def vocab_of(cfg: TrainConfig) -> int:
 
 
 def _estimate(cfg: EstimateJobConfig) -> tuple[dict[str, Any], list[str]]:
-    from perfrun.loop.memory.estimate import estimate
-    from perfrun.loop.memory.fit import advice, gib, largest_batch, memory_limit, what_fits
-    from perfrun.loop.memory.report import describe, fit_line
+    from perfrun.memory.describe import describe, fit_line
+    from perfrun.memory.estimate import estimate
+    from perfrun.memory.fit import advice, gib, largest_batch, memory_limit, what_fits
 
     if cfg.dataloader.batch_size == "auto":
         raise ConfigError("dataloader.batch_size=auto: the estimate needs a batch size; give one "

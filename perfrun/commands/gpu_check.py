@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None, *, nvml_module: Any = None) -> int:
     else:
         render(report, checks, Console())
         if "memory_estimate" in report:
-            from perfrun.loop.memory.preflight import gpu_check_line
+            from perfrun.memory.preflight import gpu_check_line
 
             Console(highlight=False).print(gpu_check_line(report["memory_estimate"]), markup=False)
     return report["exit_code"]
@@ -87,7 +87,7 @@ def _memory_estimate(report: dict[str, Any], *, quick: bool) -> None:
         return
     import torch
 
-    from perfrun.loop.memory.preflight import gpu_check_estimate
+    from perfrun.memory.preflight import gpu_check_estimate
 
     bf16 = bool((report.get("capabilities") or {}).get("bf16"))
     report["memory_estimate"] = gpu_check_estimate(torch.device("cuda", index), bf16)

@@ -9,9 +9,9 @@ from pathlib import Path
 
 from perfrun.checkpoint.atomic import atomic_write
 from perfrun.console import error, warn
-from perfrun.report.ladder import DEFAULT_LOSS_WINDOW
+from perfrun.ladder.analysis import DEFAULT_LOSS_WINDOW, read_sweep
+from perfrun.ladder.plot import report_figure
 from perfrun.report.plot import plot_or_warn
-from perfrun.report.reading import load
 from perfrun.report.render import print_report, to_csv, to_html, to_json, to_markdown
 from perfrun.report.rows import Report, ReportError
 
@@ -57,7 +57,7 @@ def main(argv: list[str]) -> int:
         args = _parser().parse_intermixed_args(argv)
         if not 0 < args.loss_window <= 1:
             raise ReportError(f"--loss-window {args.loss_window} must be in (0, 1], e.g. 0.2 for the last 20%")
-        report = load(args.paths, loss_window=args.loss_window)
+        report = read_sweep(args.paths, loss_window=args.loss_window)
         if report.rows and all(r.status == "unreadable" for r in report.rows):
             raise ReportError("; ".join(f"{r.job}: {r.reason}" for r in report.rows)
                               + ": nothing to report; give a run or sweep dir whose summary.json is intact")
@@ -89,7 +89,7 @@ def _write_files(args: argparse.Namespace, report: Report) -> list[Path]:
     when no --plot names another place; returns the paths written."""
     single = len(args.paths) == 1 and len(report.rows) == 1
     plot = Path(args.plot) if args.plot else report.paths[report.rows[0].job] / RUN_PNG if single else None
-    png = plot_or_warn(report) if plot is not None or args.html else None
+    png = plot_or_warn(report, report_figure) if plot is not None or args.html else None
     written = []
     if plot is not None and png is not None:
         try:
@@ -107,7 +107,7 @@ def _write_files(args: argparse.Namespace, report: Report) -> list[Path]:
 
 def _resume_hints(paths: list[str]) -> None:
     """A stopped sweep: the one command that runs the jobs it did not finish."""
-    from perfrun.commands.sweep_callback import resume_command, unfinished
+    from perfrun.ladder.callback import resume_command, unfinished
 
     for given in paths:
         left = unfinished(Path(given))

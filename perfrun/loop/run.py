@@ -42,7 +42,7 @@ from perfrun.telemetry.profiling import attach_profiler, dump_memory_snapshot
 from perfrun.telemetry.sinks import ConsoleReporter, RecordSink, data_figure
 
 if TYPE_CHECKING:
-    from perfrun.loop.found_batches import FoundBatches
+    from perfrun.memory.found_batches import FoundBatches
 
 log = logging.getLogger("perfrun")
 

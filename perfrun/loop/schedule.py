@@ -16,8 +16,8 @@ from perfrun.loop.evaluation import Evaluator
 from perfrun.loop.setup import Setup
 from perfrun.loop.step import BatchStream, TrainStep
 from perfrun.loop.stopping import Diverged, GracefulStop, NonFiniteGuard
+from perfrun.memory.breakdown import TrackedStep
 from perfrun.summary import RunSummary
-from perfrun.telemetry.memory_breakdown import TrackedStep
 from perfrun.telemetry.sinks import ConsoleReporter, RecordSink
 from perfrun.telemetry.step_metrics import MetricsConfig, StepMetrics
 

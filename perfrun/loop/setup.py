@@ -16,10 +16,10 @@ from perfrun.config import ConfigError, TrainConfig, as_dict
 from perfrun.data import build_datasets, build_loader
 from perfrun.environment import device_name
 from perfrun.knobs import Plan, apply_knobs, fp8, fsdp, refuse_unmet
-from perfrun.loop.found_batches import FoundBatches
 from perfrun.loop.host_heap import keep_freed_memory
-from perfrun.loop.memory.preflight import auto_batch_start, train_preflight
 from perfrun.loop.optimizer import build_optimizer, build_scheduler
+from perfrun.memory.found_batches import FoundBatches
+from perfrun.memory.preflight import auto_batch_start, train_preflight
 from perfrun.models.build import build_model
 from perfrun.models.contract import describe, knob_fits, model_class, parameter_counts
 from perfrun.models.custom import check_forward
@@ -124,7 +124,7 @@ def setup(cfg: TrainConfig, stack: ExitStack, resolved: Resolved, found: FoundBa
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.max_steps)
     auto_batch = None
     if cfg.dataloader.batch_size == "auto":  # the largest batch that fits, found before the loaders exist
-        from perfrun.loop.auto_batch import resolve_auto_batch
+        from perfrun.memory.batch_size import resolve_auto_batch
 
         def search() -> dict[str, Any]:
             return resolve_auto_batch(cfg.dataloader, device, plan, optimizer, scheduler, len(data.train), example,

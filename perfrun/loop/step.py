@@ -127,7 +127,7 @@ class BatchStream:
 
 class Batches(Protocol):
     """Where a step takes its batches: the run's :class:`BatchStream`, or the random tokens
-    of a batch-size trial (:mod:`perfrun.loop.auto_batch`)."""
+    of a batch-size trial (:mod:`perfrun.memory.batch_size`)."""
 
     def start(self) -> None: ...
 

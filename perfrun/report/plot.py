@@ -13,7 +13,7 @@ Agg canvas is used, not pyplot, so no global backend or figure state is touched.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from perfrun.console import warn
@@ -39,26 +39,22 @@ def _sort_values(values: Iterable[str | None]) -> list[str | None]:
     return vals
 
 
-def plot_png(report: Report) -> bytes | None:
-    """PNG of the report's figure (:func:`figure`); None without matplotlib."""
+def plot_png(report: Report, figure_of: Callable[[Report], Any] | None = None) -> bytes | None:
+    """PNG of the report's figure (``figure_of``, by default :func:`figure`); None without matplotlib."""
     try:
-        return png(figure(report))
+        return png((figure_of or figure)(report))
     except ImportError:
         return None
 
 
 def figure(report: Report) -> Any:
     """The figure of a report: a single run's loss and tokens/s over the steps
-    (:mod:`~perfrun.report.run_plot`), the ladder where the jobs are one
-    (:mod:`~perfrun.report.ladder_plot`), else tokens/s against each swept key. Raises
-    ImportError without matplotlib."""
-    from perfrun.report.ladder_plot import ladder_figure
+    (:mod:`~perfrun.report.run_plot`), else tokens/s against each swept key (a ladder's figure
+    is :func:`perfrun.ladder.plot.report_figure`). Raises ImportError without matplotlib."""
     from perfrun.report.run_plot import run_figure
 
     if len(report.rows) == 1:  # a run (a ladder's job too): what it did over its steps
         return run_figure(report, report.rows[0])
-    if report.ladders:
-        return ladder_figure(report, report.ladders[0])
     return sweep_figure(report)
 
 
@@ -66,10 +62,10 @@ def no_plot_warning() -> None:
     warn(f"matplotlib is not installed, so no plot was drawn; {PLOT_HINT} for the plot")
 
 
-def plot_or_warn(report: Report) -> bytes | None:
+def plot_or_warn(report: Report, figure_of: Callable[[Report], Any] | None = None) -> bytes | None:
     """The plot, or one warning line saying why there is none; never an exception."""
     try:
-        data = plot_png(report)
+        data = plot_png(report, figure_of)
     except Exception as e:  # noqa: BLE001 - a plot is never worth losing the table and files
         warn(f"no plot ({type(e).__name__}: {e}); the table and files are complete")
         return None

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from perfrun.report.ladder import DEFAULT_LOSS_WINDOW, ladders
 from perfrun.report.noise import Spread, clear_winner, effect, spread
 from perfrun.report.rows import Report, ReportError, Row, finite, override_key
 from perfrun.summary import SUMMARY_FILE, read_summary
@@ -233,9 +232,10 @@ def _rank(rows: list[Row], groups: list[Group]) -> str | None:
     return top.job
 
 
-def load(paths: Sequence[Path | str], *, loss_window: float = DEFAULT_LOSS_WINDOW) -> Report:
-    """Rows of every job under ``paths``, with the swept keys, the repeats grouped, the best
-    (outside the noise) and any ladder."""
+def load(paths: Sequence[Path | str]) -> Report:
+    """Rows of every job under ``paths``, with the swept keys, the repeats grouped and the best
+    (outside the noise). A ladder among them is read by :func:`perfrun.ladder.analysis.read_sweep`,
+    which fills ``report.ladders``: the ladder builds on this package, not this package on it."""
     dirs: dict[str, Path] = {}
     rows = [row for given in paths for row in _rows_of(given, len(paths) > 1, dirs)]
     keys = swept_keys(rows)
@@ -245,5 +245,4 @@ def load(paths: Sequence[Path | str], *, loss_window: float = DEFAULT_LOSS_WINDO
     groups = group_repeats(rows)
     report = Report(rows, keys, _rank(rows, groups), paths=dirs)
     report.groups = groups
-    report.ladders = ladders(report, loss_window=loss_window)
     return report

@@ -10,9 +10,9 @@ from typing import Any
 import torch
 
 from perfrun.config import TrainConfig
-from perfrun.loop.memory.estimate import EstimateError, estimate, variant
-from perfrun.loop.memory.fit import advice, gib, parse_size, what_fits
-from perfrun.telemetry.memory_breakdown import one_line
+from perfrun.memory.breakdown import one_line
+from perfrun.memory.estimate import EstimateError, estimate, variant
+from perfrun.memory.fit import advice, gib, parse_size, what_fits
 
 log = logging.getLogger("perfrun")
 
@@ -97,7 +97,7 @@ def auto_batch_start(cfg: TrainConfig, vocab_size: int, limit: int, cap: int) ->
     through the estimates at batches 1 and 2 meets ``limit`` (a step's peak grows about
     linearly in the batch), or None, with why, when the estimate cannot be made. The search
     verifies it with real trials, so no more estimates are made to bracket it."""
-    from perfrun.loop.memory.fit import line_guess
+    from perfrun.memory.fit import line_guess
 
     try:
         batch, runs = line_guess(lambda b: estimate(cfg, vocab_size, batch_size=b, top=0).peak_bytes, limit, cap=cap)

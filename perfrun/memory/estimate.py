@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from perfrun.config import TrainConfig
-from perfrun.telemetry.memory_tracker import (
+from perfrun.memory.tracker import (
     Breakdown,
     ModuleStack,
     Tracker,

@@ -24,7 +24,7 @@ from perfrun.report.rows import Row
 
 
 class _Rungs(Protocol):
-    """What the verdict reads of a ladder's jobs (perfrun.report.ladder._Rungs)."""
+    """What the verdict reads of a ladder's jobs (perfrun.ladder.analysis._Rungs)."""
 
     by_rung: dict[str, list[Row]]
     outliers: dict[str, float]

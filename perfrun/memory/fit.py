@@ -1,6 +1,6 @@
 """What fits a memory size: the largest batch (a bisection over fake-tensor estimates)
 and, for a configuration that does not fit, which knob would make it fit and by how much.
-Every figure here is an estimate (:mod:`perfrun.loop.memory.estimate`), said so wherever shown."""
+Every figure here is an estimate (:mod:`perfrun.memory.estimate`), said so wherever shown."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from perfrun.config import ConfigError, TrainConfig
-from perfrun.loop.memory.estimate import Estimate, EstimateError, estimate, variant
+from perfrun.memory.estimate import Estimate, EstimateError, estimate, variant
 
 UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}

@@ -1,7 +1,7 @@
 """``memory.breakdown=true``: where one step's memory goes, measured in the run.
 
 :class:`TrackedStep` wraps the train step and decides its own cadence: the first step
-after the warm-up runs under torch's memory tracker (:mod:`perfrun.telemetry.memory_tracker`),
+after the warm-up runs under torch's memory tracker (:mod:`perfrun.memory.tracker`),
 everything else passes through. The bytes of each category at that step's peak and the
 ten modules holding most go to summary.json (``memory.breakdown``), metrics.jsonl and the
 loggers (a ``memory`` record) and the log (one line); the peak measured the usual way
@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from perfrun.telemetry.memory_tracker import CATEGORIES, SHORT, Breakdown, Tracker, tracker_missing
+from perfrun.memory.tracker import CATEGORIES, SHORT, Breakdown, Tracker, tracker_missing
 from perfrun.telemetry.sinks import RecordSink
 from perfrun.telemetry.step_metrics import StepMetrics
 

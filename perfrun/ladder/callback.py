@@ -102,7 +102,7 @@ class SweepSummary(Callback):
         out = Console(highlight=False, soft_wrap=True)
         out.print(self.eta.job_done(int(config.hydra.job.num)), markup=False)
         if self.target_s is not None:
-            from perfrun.commands.sweep_plan import replan
+            from perfrun.ladder.plan import replan
 
             line = replan(self.plan, Path(str(config.hydra.sweep.dir)), done=self.eta.done,
                           elapsed_s=time.perf_counter() - self.t_start, target_s=self.target_s)
@@ -111,7 +111,8 @@ class SweepSummary(Callback):
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         from perfrun.console import warn
-        from perfrun.report import ReportError, write_sweep_summary
+        from perfrun.ladder.sweep_files import write_sweep_summary
+        from perfrun.report import ReportError
 
         sweep_dir = Path(str(config.hydra.sweep.dir))
         try:
@@ -128,7 +129,7 @@ def _estimate(config: DictConfig) -> tuple[Any, Any]:
     Returns the ETA and the ladder's plan (None where there is none to re-budget)."""
     from rich.console import Console
 
-    from perfrun.commands import sweep_plan
+    from perfrun.ladder import plan as sweep_plan
 
     try:
         jobs = sweep_plan.sweep_jobs(config)

@@ -5,7 +5,7 @@ its FSDP2 flavour), so that a torch that moves it breaks here, loudly, and nowhe
 The tracker is a ``TorchDispatchMode``: every storage an operator creates is counted
 under one category (Parameter, Buffer, Gradient, Optstate, Activation, Temp) and the
 module running at the time; the peak is the largest total seen and what made it up.
-It counts the same bytes on fake tensors (:mod:`perfrun.loop.memory.estimate`) as on real
+It counts the same bytes on fake tensors (:mod:`perfrun.memory.estimate`) as on real
 ones. Known limits, said where they apply: under activation checkpointing the
 recomputed activations are counted as Temp (the peak stays right); on CUDA the
 allocator's rounding is counted (512 B blocks) but its reserve and cuBLAS/cuDNN

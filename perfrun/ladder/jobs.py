@@ -13,8 +13,8 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from perfrun.commands.sweep_callback import resume_command
 from perfrun.console import composition_error
+from perfrun.ladder.callback import resume_command
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -132,7 +132,8 @@ def stops_cleanly(sweep_dir: str | None) -> Iterator[None]:
 def _keep(sweep_dir: Path, code: int) -> None:
     """The summary of what the stopped sweep measured, and how to finish it."""
     from perfrun.console import error, warn
-    from perfrun.report import ReportError, write_sweep_summary
+    from perfrun.ladder.sweep_files import write_sweep_summary
+    from perfrun.report import ReportError
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # writing the summary is not interrupted again
     try:

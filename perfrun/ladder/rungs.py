@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from omegaconf import DictConfig
 
     from perfrun.checkpoint.resume_search import RunSearch
-    from perfrun.loop.found_batches import FoundBatches
+    from perfrun.memory.found_batches import FoundBatches
 
 log = logging.getLogger("perfrun")
 

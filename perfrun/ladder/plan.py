@@ -106,8 +106,8 @@ def _calibrate(cfg: DictConfig) -> Timing | None:
     """A few steps of ``cfg`` on this device, in a folder of its own that is then removed, as
     its job will run: with what the model cannot take turned off (:func:`decide`); None for a
     rung its job will skip (the model lacks what its knob needs)."""
-    from perfrun.commands.rungs import decide
     from perfrun.config import typed
+    from perfrun.ladder.rungs import decide
     from perfrun.loop.run import run
 
     short = OmegaConf.merge(cfg, {"max_steps": CALIBRATION_STEPS, "timing_warmup_steps": 1, "progress": "off",
@@ -133,8 +133,8 @@ def make_plan(config: DictConfig, jobs: list[list[str]]) -> SweepPlan:
     first job: the jobs share what is left of the target."""
     from hydra.core.global_hydra import GlobalHydra
 
-    from perfrun.commands.rungs import beyond_tradeoff_repeats
     from perfrun.device_conditions import rung_applies
+    from perfrun.ladder.rungs import beyond_tradeoff_repeats
 
     t0 = time.perf_counter()
     loader = GlobalHydra.instance().config_loader()

@@ -4,9 +4,9 @@ line, each saying it is an estimate (never a measurement)."""
 from __future__ import annotations
 
 from perfrun.config import TrainConfig
-from perfrun.loop.memory.estimate import Estimate
-from perfrun.loop.memory.fit import gib
-from perfrun.telemetry.memory_tracker import CATEGORIES
+from perfrun.memory.estimate import Estimate
+from perfrun.memory.fit import gib
+from perfrun.memory.tracker import CATEGORIES
 
 
 def mib_or_gib(n: float) -> str:

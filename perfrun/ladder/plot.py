@@ -16,6 +16,7 @@ from typing import Any
 
 from perfrun.report.figures import contended_line, draw_apart, wrap
 from perfrun.report.metrics_file import train_records
+from perfrun.report.plot import figure
 from perfrun.report.rows import Report, finite
 
 PHASES = ("data", "forward", "backward", "optimizer")
@@ -199,3 +200,11 @@ def ladder_figure(report: Report, a: dict[str, Any]) -> Any:
                  fontsize=11)
     fig.supxlabel(wrap(a["verdict"], fig.get_figwidth()), fontsize=9)
     return fig
+
+
+def report_figure(report: Report) -> Any:
+    """The figure of a report that may hold a ladder: a single run's own figure, the first
+    ladder's where the jobs are one, else tokens/s against each swept key."""
+    if len(report.rows) != 1 and report.ladders:
+        return ladder_figure(report, report.ladders[0])
+    return figure(report)

@@ -11,7 +11,7 @@ its rung's others is named as an outlier and not counted (:func:`perfrun.report.
 and a rung with no other job is not ranked. An effect whose ranges overlap is "no measurable
 effect (±x %)"; a rung run once is judged against the machine's noise measured in the same
 sweep (:meth:`_Rungs._machine_noise`; :mod:`perfrun.report.noise`). What to recommend from
-these figures is :mod:`perfrun.report.verdict`. A rung whose knob cannot act on the device (``acts_on: cuda``
+these figures is :mod:`perfrun.ladder.verdict`. A rung whose knob cannot act on the device (``acts_on: cuda``
 on a CPU) is "not applicable", with the reason, and is not measured.
 
 **Loss parity, calibrated.** Each job's loss is the mean train loss over the last
@@ -26,14 +26,16 @@ alone decides.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from perfrun.report.memory_plot import add_savings, rung_breakdown
+from perfrun.ladder.memory_plot import add_savings, rung_breakdown
+from perfrun.ladder.verdict import against_reference, flat, recommend, verdict_line
 from perfrun.report.metrics_file import train_records
 from perfrun.report.noise import OUTLIER_RATIO, Effect, Spread, effect, outliers, spread
+from perfrun.report.reading import load
 from perfrun.report.rows import Report, Row, finite
-from perfrun.report.verdict import against_reference, flat, recommend, verdict_line
 from perfrun.summary import read_summary
 
 DEFAULT_LOSS_WINDOW = 0.2
@@ -322,3 +324,10 @@ def _notes(rs: _Rungs, rows: list[Row], contended: list[Row]) -> list[str]:
     noise = f"±{rs.floor:.1f}% from {rs.floor_source}" if rs.floor is not None else rs.floor_source
     notes.append(f"machine noise: {noise}")
     return notes
+
+
+def read_sweep(paths: Sequence[Path | str], *, loss_window: float = DEFAULT_LOSS_WINDOW) -> Report:
+    """The report of ``paths`` (:func:`perfrun.report.load`) with any ladder among its jobs."""
+    report = load(paths)
+    report.ladders = ladders(report, loss_window=loss_window)
+    return report
