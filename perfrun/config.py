@@ -62,7 +62,7 @@ class ActivationCheckpointingConfig:
 
 @dataclass
 class DataLoaderConfig:
-    # An int >= 1, or "auto": the largest batch that fits (perfrun/loop/auto_batch.py). OmegaConf
+    # An int >= 1, or "auto": the largest batch that fits (perfrun/memory/batch_size.py). OmegaConf
     # has no Union type, hence Any; validate() checks it.
     batch_size: Any = 8
     max_batch_size: int | None = None  # auto: never choose more than this
@@ -141,8 +141,8 @@ class MonitorConfig:
 
 @dataclass
 class MemoryConfig:
-    """Where the memory goes (perfrun/telemetry/memory_breakdown.py) and whether it will fit
-    (perfrun/loop/memory/): the tracked step of a run, the estimate said before step 1."""
+    """Where the memory goes (perfrun/memory/breakdown.py) and whether it will fit
+    (perfrun/memory/): the tracked step of a run, the estimate said before step 1."""
 
     breakdown: bool = False  # one step after the warm-up runs under torch's memory tracker
     estimate: bool | None = None  # the estimate in the log's first lines; null: on CUDA only

@@ -12,7 +12,7 @@ from typing import Any, Literal, TypedDict
 
 SUMMARY_FILE = "summary.json"
 
-# skipped: a ladder rung whose knob cannot act on this device or model (perfrun/commands/rungs.py)
+# skipped: a ladder rung whose knob cannot act on this device or model (perfrun/ladder/rungs.py)
 Status = Literal["running", "completed", "interrupted", "failed", "skipped"]
 
 

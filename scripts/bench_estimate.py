@@ -31,7 +31,7 @@ from perfrun.memory.preflight import GPT2_SHAPE  # noqa: E402
 
 
 def one(cfg: TrainConfig, stats: type) -> tuple[float, dict]:
-    memory_tracker.ModuleStats = stats  # what Tracker gives the tracker
+    memory_tracker.ModuleStats = stats  # what CategoryTracker gives the tracker
     c0 = time.process_time()
     e = estimating.estimate(cfg, 50257, top=5)
     seconds = time.process_time() - c0

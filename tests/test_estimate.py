@@ -1,4 +1,4 @@
-"""The estimate before a run (perfrun/loop/memory): fake tensors count the same bytes as the
+"""The estimate before a run (perfrun/memory/): fake tensors count the same bytes as the
 same steps on real tensors, category by category within 2 % (tiny, a GPT-2-wide model
 at a small batch and short block, checkpointing, chunked loss); FSDP2 over a fake process
 group divides the optimizer state by the ranks; the largest batch that fits and the knob
@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from perfrun.commands import estimate as estimate_command
+from perfrun.memory.batch_size import largest_batch
 from perfrun.memory.estimate import EstimateError, estimate, optimizer_state
-from perfrun.memory.fit import largest_batch, parse_size
+from perfrun.memory.fit import parse_size
 from perfrun.memory.tracker import CATEGORIES
 
 from conftest import TINY_MODEL, make_cfg
@@ -63,8 +64,8 @@ def test_the_estimate_equals_the_same_steps_on_real_tensors(overrides: list[str]
 def test_the_optimizer_state_is_what_a_training_steps_is(fused: str) -> None:
     """The estimate makes the state by a step on zero gradients instead of a whole training
     step: the same tensors (shapes, dtypes, devices) and step counts, and no gradient left."""
-    from perfrun.loop.optimizer import build_optimizer
     from perfrun.models.build import build_model
+    from perfrun.optimizer import build_optimizer
 
     cfg = make_cfg(*SMALL, f"optim.fused={fused}")
     device = torch.device("cpu")

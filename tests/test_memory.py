@@ -49,7 +49,7 @@ def tracked(tmp_path_factory: pytest.TempPathFactory, one_thread: None) -> tuple
 
 def test_torchs_tracker_is_where_perfrun_expects_it() -> None:
     """Fails loudly when torch moves or renames its private memory tracker: then
-    perfrun/telemetry/memory_tracker.py is the one module to change."""
+    perfrun/memory/tracker.py is the one module to change."""
     assert memory_tracker.tracker_missing() is None
     module = importlib.import_module(memory_tracker.TRACKER_MODULE)
     names = {str(getattr(m, "value", m)) for m in module._MemRefType}
@@ -62,7 +62,7 @@ def test_a_moved_tracker_is_said_not_hidden(monkeypatch: pytest.MonkeyPatch) -> 
     reason = memory_tracker.tracker_missing()
     assert reason is not None and "moved_away is missing" in reason
     with pytest.raises(RuntimeError, match="moved_away is missing"):
-        memory_tracker.Tracker(torch_module(), None)
+        memory_tracker.CategoryTracker(torch_module(), None)
 
 
 def test_a_compiled_model_under_the_tracker_gives_no_warning_of_its_hooks() -> None:
@@ -78,7 +78,7 @@ def test_a_compiled_model_under_the_tracker_gives_no_warning_of_its_hooks() -> N
     compiled = torch.compile(model, backend="eager")
     with warnings.catch_warnings(record=True) as inside:
         warnings.simplefilter("always")
-        with memory_tracker.Tracker(model, None):
+        with memory_tracker.CategoryTracker(model, None):
             compiled(torch.ones(1, 2))
     hook = register_module_forward_hook(lambda *_: None)
     try:
@@ -108,7 +108,7 @@ def test_module_statistics_read_quickly_give_torchs_figures(monkeypatch: pytest.
     from torch.utils.weak import WeakIdKeyDictionary
 
     quick = memory_tracker.ModuleStats
-    assert memory_tracker.Tracker(torch_module(), None).quick_stats
+    assert memory_tracker.CategoryTracker(torch_module(), None).quick_stats
     cfg = make_cfg("data=synthetic", "data.vocab_size=256", "dataloader.batch_size=2", "model.n_layer=1")
     ours = estimate(cfg, 256, top=5).to_dict()
     monkeypatch.setattr(memory_tracker, "ModuleStats", type("TorchsOwn", (WeakIdKeyDictionary,), {}))

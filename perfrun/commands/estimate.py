@@ -93,9 +93,10 @@ def vocab_of(cfg: TrainConfig) -> int:
 
 
 def _estimate(cfg: EstimateJobConfig) -> tuple[dict[str, Any], list[str]]:
+    from perfrun.memory.batch_size import largest_batch
     from perfrun.memory.describe import describe, fit_line
     from perfrun.memory.estimate import estimate
-    from perfrun.memory.fit import advice, gib, largest_batch, memory_limit, what_fits
+    from perfrun.memory.fit import advice, gib, memory_limit, what_fits
 
     if cfg.dataloader.batch_size == "auto":
         raise ConfigError("dataloader.batch_size=auto: the estimate needs a batch size; give one "

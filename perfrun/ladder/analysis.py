@@ -123,7 +123,7 @@ class _Rungs:
 
     def applicable(self, rung: str) -> bool:
         """Whether the rung's knob acts on the sweep's device: its jobs were not skipped (the
-        ladder's own code decides, perfrun/commands/rungs.py), and, for a sweep whose jobs ran
+        ladder's own code decides, perfrun/ladder/rungs.py), and, for a sweep whose jobs ran
         every rung, ``acts_on`` names the device (fp8: a CUDA device whose jobs ran)."""
         rows = self.by_rung.get(rung, [])
         if rows and all(r.status == "skipped" for r in rows):

@@ -13,7 +13,7 @@ import io
 import statistics
 from typing import Any
 
-# the tracker's categories in the order summary.json keeps them (perfrun/telemetry/memory_tracker.py),
+# the tracker's categories in the order summary.json keeps them (perfrun/memory/tracker.py),
 # each with its fixed colour
 COLOURS = {"Parameter": "tab:blue", "Buffer": "tab:gray", "Gradient": "tab:orange", "Optstate": "tab:purple",
            "Activation": "tab:green", "Temp": "tab:red"}

@@ -17,13 +17,14 @@ from perfrun.data import build_datasets, build_loader
 from perfrun.environment import device_name
 from perfrun.knobs import Plan, apply_knobs, fp8, fsdp, refuse_unmet
 from perfrun.loop.host_heap import keep_freed_memory
-from perfrun.loop.optimizer import build_optimizer, build_scheduler
+from perfrun.loop.step import TrainStep, Untimed
 from perfrun.memory.found_batches import FoundBatches
-from perfrun.memory.preflight import auto_batch_start, train_preflight
+from perfrun.memory.preflight import train_preflight
 from perfrun.models.build import build_model
 from perfrun.models.contract import describe, knob_fits, model_class, parameter_counts
 from perfrun.models.custom import check_forward
 from perfrun.models.flops import flops_figure
+from perfrun.optimizer import build_optimizer, build_scheduler
 from perfrun.summary import RunSummary
 from perfrun.telemetry.mfu import mfu_dtype, resolve_peak
 from perfrun.telemetry.profiling import start_memory_history
@@ -124,12 +125,14 @@ def setup(cfg: TrainConfig, stack: ExitStack, resolved: Resolved, found: FoundBa
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.max_steps)
     auto_batch = None
     if cfg.dataloader.batch_size == "auto":  # the largest batch that fits, found before the loaders exist
-        from perfrun.memory.batch_size import resolve_auto_batch
+        from perfrun.memory.batch_size import line_start, resolve_auto_batch
 
         def search() -> dict[str, Any]:
             return resolve_auto_batch(cfg.dataloader, device, plan, optimizer, scheduler, len(data.train), example,
-                                      clip=cfg.optim.grad_clip,
-                                      start=lambda limit, cap: auto_batch_start(cfg, data.vocab_size, limit, cap))
+                                      step_of=lambda one, batches: TrainStep(one, optimizer, scheduler, batches,
+                                                                             Untimed(), clip=cfg.optim.grad_clip,
+                                                                             device=device),
+                                      start=lambda limit, cap: line_start(cfg, data.vocab_size, limit, cap))
 
         auto_batch = (found.reuse_or_search(FoundBatches.key(as_dict(cfg), device), search, job) if found is not None
                       else search())

@@ -1,68 +1,42 @@
-"""``dataloader.batch_size=auto``: the largest micro-batch that fits, found by trials.
+"""``dataloader.batch_size=auto`` and ``perfrun estimate``'s largest batch: one search for the
+largest batch that fits, started where the memory estimates say, then verified.
 
-**Search** (:func:`search`). Grow by doubling from ``start`` until a trial fails or the cap
-is reached, then binary-search between the last batch that fitted and the first that did
-not. A trial is any ``trial(batch) -> bool``; raising ``torch.OutOfMemoryError`` counts as
-"does not fit", so tests can plant a limit and the real trial can let CUDA raise. The
-chosen batch is the largest that fitted shrunk by the safety margin,
-``floor(max_fit * (1 - margin))``, because the real run is not the trial: the allocator
-fragments, and evaluation and data workers take memory of their own. A search stopped by
-the cap (``dataloader.max_batch_size``, or the number of training sequences) is not
-shrunk: nothing showed that batch to be near the limit.
+**Search** (:func:`search`). From a starting batch, gallop: while the batch fits, try
+``lo + 1, lo + 3, lo + 7, ...`` (from 1 this is doubling), while it does not, ``hi - 1, hi - 3,
+...``, until a batch that fits and one that does not bracket the answer; then bisect. Each
+batch is tried once. ``fits(batch) -> bool`` is either an estimate against a limit
+(:func:`largest_batch`, for ``perfrun estimate``: nothing runs) or a real training step
+(:class:`~perfrun.memory.trial.StepTrial`, for ``batch_size=auto``); raising
+``torch.OutOfMemoryError`` counts as "does not fit". The chosen batch is the largest that
+fitted shrunk by the safety margin, ``floor(max_fit * (1 - margin))``, because the real run is
+not the trial: the allocator fragments, and evaluation and data workers take memory of their
+own. A search stopped by the cap (``dataloader.max_batch_size``, or the number of training
+sequences) is not shrunk: nothing showed that batch to be near the limit.
 
-**Trial** (:class:`StepTrial`). One step of the trainer's own :class:`~perfrun.loop.step.TrainStep`
-at that batch, with the real model, knobs and optimizer: forward under the knobs' contexts
-(autocast, SDPA backend), the plan's backward (fp16's scaled loss), the plan's optimizer step
-(unscaling, clipping) and the schedule, on random tokens of the run's sequence length. It leaves
-the run exactly as it found it: the step is taken at lr 0, so parameters do not move; the
-optimizer state is cleared after the search, the schedule and the loss scale are restored from
-their state dicts, and so are the RNG states; random tokens come from a private generator.
-Trials take one micro-batch (a micro-batch is what must fit), call the plain model (with
-activation checkpointing, which patches the model in place; blocks that
-``compile_options.scope=blocks`` compiled in place run eagerly here) and run no step hooks:
-compiling once per trial size would cost minutes, and the compiled step is not expected to need
-more memory than the eager one.
-
-**Memory**, by device:
-
-* CUDA: the real limit. An allocation that does not fit raises ``torch.OutOfMemoryError``;
-  the trial catches it, drops its tensors, empties the cache and resets the peak
-  statistics before the next trial. With ``dataloader.memory_budget_mib`` set, a trial
-  whose ``torch.cuda.max_memory_allocated`` exceeds the budget fails too (to leave room
-  for something else, or to emulate a smaller GPU).
-* CPU: there is no out-of-memory error to recover from (the system kills the process), so
-  a budget is required. The trial measures live tensor memory with
-  :class:`LiveTensorMemory`, a ``TorchDispatchMode``: every storage an operator creates
-  is counted when it first appears and released by a weakref finalizer when it is freed;
-  tensors that exist before the trial (parameters, buffers, optimizer state) are the
-  base. An allocation that takes base + live past the budget aborts the trial there, as
-  an OOM would. This counts tensor memory only: Python objects, libraries and data-loader
-  workers are outside the budget, and so is scratch a kernel never exposes as a tensor.
+**Start** (:func:`line_start`). A step's peak grows about linearly in the batch, so the
+straight line through the estimated peaks at batches 1 and 2 meets the limit near the answer;
+the search starts there, so it brackets the answer near the guess and never estimates (or
+tries) a batch far past what fits. ``batch_size=auto`` takes the line's batch from estimates
+and lets real trials do the rest.
 """
 
 from __future__ import annotations
 
-import gc
 import logging
 import math
 import time
-import weakref
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager, nullcontext
-from dataclasses import asdict, dataclass, field, replace
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
-from perfrun.config import ConfigError, DataLoaderConfig
+from perfrun.config import ConfigError, DataLoaderConfig, TrainConfig
 from perfrun.knobs import Plan, compilation
-from perfrun.loop.step import TrainStep, Untimed
+from perfrun.memory.estimate import EstimateError, estimate
+from perfrun.memory.trial import MIB, StepOf, StepTrial, release
 
 log = logging.getLogger("perfrun")
-
-MIB = 2**20
 
 
 class NoBatchFits(RuntimeError):
@@ -86,212 +60,98 @@ class SearchResult:
 
 
 def search(
-    trial: Callable[[int], bool], *, start: int = 1, cap: int | None = None, margin: float = 0.0
+    fits: Callable[[int], bool], *, start: int = 1, cap: int | None = None, margin: float = 0.0
 ) -> SearchResult:
-    """Doubling from ``start`` until a failure or ``cap``, then binary search; see the module doc.
-
-    Each batch is tried at most once. Raises :class:`NoBatchFits` when batch 1 fails.
-    """
+    """Gallop from ``start`` until a batch that fits and one that does not (or ``cap``)
+    bracket the answer, then bisect; see the module doc. Raises :class:`NoBatchFits` when
+    batch 1 does not fit."""
     if start < 1 or (cap is not None and cap < 1):
         raise ValueError(f"start={start} and cap={cap} must be >= 1")
     if not 0.0 <= margin < 1.0:
         raise ValueError(f"margin={margin} must be in [0, 1)")
-    limit = cap if cap is not None else 2**31  # a trial that always fits still ends
+    limit = cap if cap is not None else 2**31  # a batch that always fits still ends
     results: dict[int, bool] = {}
     order: list[tuple[int, bool]] = []
 
-    def fits(batch: int) -> bool:
+    def tried(batch: int) -> bool:
         if batch not in results:
             try:
-                ok = bool(trial(batch))
+                ok = bool(fits(batch))
             except torch.OutOfMemoryError:
                 ok = False
             results[batch] = ok
             order.append((batch, ok))
         return results[batch]
 
-    lo, hi = 0, None  # lo fitted (0: none yet), hi failed
-    batch = min(start, limit)
-    while True:
-        if not fits(batch):
-            hi = batch
-            break
+    lo, hi = 0, None  # lo fitted (0: none yet), hi did not (None: none yet)
+    batch, step = min(start, limit), 1
+    if tried(batch):
         lo = batch
-        if batch >= limit:
-            break
-        batch = min(2 * batch, limit)
+        while lo < limit and hi is None:
+            b = min(limit, lo + step)
+            lo, hi = (b, hi) if tried(b) else (lo, b)
+            step *= 2
+    else:
+        hi = batch
+        while lo == 0 and hi > 1:
+            b = max(1, hi - step)
+            lo, hi = (b, hi) if tried(b) else (lo, b)
+            step *= 2
     if hi is not None:
-        while hi - lo > 1:
+        while hi - lo > 1 and lo > 0:
             mid = (lo + hi) // 2
-            if fits(mid):
-                lo = mid
-            else:
-                hi = mid
+            lo, hi = (mid, hi) if tried(mid) else (lo, mid)
     if lo == 0:
         raise NoBatchFits(order)
     chosen = lo if hi is None else max(1, math.floor(lo * (1.0 - margin) + 1e-9))
     return SearchResult(chosen, lo, hi, cap, margin, order)
 
 
-class LiveTensorMemory(TorchDispatchMode):
-    """Live bytes of the tensors created under this mode, and their peak (CPU trials).
+def _estimated(peak_at: Callable[[int], int], limit: int) -> tuple[Callable[[int], bool], dict[int, int]]:
+    """``fits(batch)``: whether the estimated peak at ``batch`` is within ``limit``, each batch
+    estimated once; and the peaks estimated so far, by batch."""
+    peaks: dict[int, int] = {}
 
-    ``base_bytes`` is what already existed; with ``limit_bytes``, the operator whose output
-    takes base + live past it raises ``torch.OutOfMemoryError`` (and sets ``exceeded``).
-    """
+    def fits(b: int) -> bool:
+        if b not in peaks:
+            peaks[b] = peak_at(b)
+        return peaks[b] <= limit
 
-    def __init__(self, base_bytes: int = 0, limit_bytes: int | None = None) -> None:
-        super().__init__()
-        self.base = base_bytes
-        self.limit = limit_bytes
-        self.live = 0
-        self.peak = 0
-        self.exceeded = False
-        self._sizes: dict[int, int] = {}
-
-    @property
-    def peak_bytes(self) -> int:
-        return self.base + self.peak
-
-    def _free(self, key: int) -> None:
-        self.live -= self._sizes.pop(key, 0)
-
-    def _track(self, t: torch.Tensor) -> None:
-        try:
-            storage = t.untyped_storage()
-        except (RuntimeError, NotImplementedError):  # sparse or storage-less tensors
-            return
-        key = id(storage)
-        if key in self._sizes:
-            return
-        size = storage.nbytes()
-        self._sizes[key] = size
-        self.live += size
-        weakref.finalize(storage, self._free, key)
-        self.peak = max(self.peak, self.live)
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        for leaf in tree_leaves(out):
-            if isinstance(leaf, torch.Tensor):
-                self._track(leaf)
-        if self.limit is not None and self.base + self.live > self.limit:
-            self.exceeded = True
-            raise torch.OutOfMemoryError(
-                f"tensor memory {(self.base + self.live) / MIB:,.1f} MiB exceeds the budget {self.limit / MIB:,.1f} MiB"
-            )
-        return out
+    return fits, peaks
 
 
-def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (views counted once)."""
-    storages: dict[int, Any] = {}
-    for t in tensors:
-        storage = t.untyped_storage()
-        storages[id(storage)] = storage  # held, so an id cannot be reused while summing
-    return sum(s.nbytes() for s in storages.values())
+def _line(fits: Callable[[int], bool], peaks: dict[int, int], limit: int, cap: int) -> int:
+    """Where the line through the peaks at batches 1 and 2 meets ``limit``; 0 when 1 does not fit."""
+    if not fits(1):
+        return 0
+    if cap == 1:
+        return 1
+    fits(2)
+    slope = max(1, peaks[2] - peaks[1])
+    return max(1, min(cap, 1 + (limit - peaks[1]) // slope))
 
 
-@contextmanager
-def _zero_lr(optimizer: torch.optim.Optimizer) -> Iterator[None]:
-    """Every param group at lr 0 for a step that must not move the parameters."""
-    saved = [g["lr"] for g in optimizer.param_groups]
-    for g in optimizer.param_groups:
-        g["lr"] = torch.zeros_like(g["lr"]) if isinstance(g["lr"], torch.Tensor) else 0.0
+def largest_batch(peak_at: Callable[[int], int], limit: int, *, cap: int = 4096) -> tuple[int, int]:
+    """The largest batch up to ``cap`` whose estimated peak ``peak_at(batch)`` is within
+    ``limit``: :func:`search` from the line's guess, on estimates alone. Returns (batch,
+    estimates made); batch 0 when not even 1 fits."""
+    fits, peaks = _estimated(peak_at, limit)
+    guess = _line(fits, peaks, limit, cap)
+    if guess == 0:
+        return 0, len(peaks)
+    return search(fits, start=guess, cap=cap).max_fit, len(peaks)
+
+
+def line_start(cfg: TrainConfig, vocab_size: int, limit: int, cap: int) -> tuple[int | None, str]:
+    """Where ``dataloader.batch_size=auto`` starts its search: the batch where the line
+    through the estimates at batches 1 and 2 meets ``limit``, or None, with why, when the
+    estimate cannot be made. Real trials verify it, so no more estimates are made to bracket it."""
+    fits, peaks = _estimated(lambda b: estimate(cfg, vocab_size, batch_size=b, top=0).peak_bytes, limit)
     try:
-        yield
-    finally:
-        for g, lr in zip(optimizer.param_groups, saved, strict=True):
-            g["lr"] = lr
-
-
-def release(device: torch.device) -> None:
-    """Give memory back between trials (and reset CUDA's peak so each trial measures its own).
-
-    Only CUDA needs the garbage collector (an OOM's traceback can hold tensors in cycles);
-    a CPU trial measures what it allocates itself, and a full collection can take a good
-    part of a second once torch's compiler modules are loaded.
-    """
-    if device.type == "cuda":
-        gc.collect()
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-
-
-class ItemBatches:
-    """A trial's batches: ``size`` copies of one training item (input, target), so that any
-    model gets its own shapes and dtypes; the run's random streams are not drawn from."""
-
-    def __init__(self, device: torch.device, example: tuple[torch.Tensor, torch.Tensor]) -> None:
-        self.example = tuple(t.to(device) for t in example)
-        self.size = 1
-
-    def start(self) -> None:
-        """Nothing to start: every batch is made when it is taken."""
-
-    def take(self) -> tuple[torch.Tensor, torch.Tensor]:
-        x, y = (t.unsqueeze(0).expand(self.size, *t.shape).contiguous() for t in self.example)
-        return x, y
-
-
-class StepTrial:
-    """``trial(batch) -> bool``: does one training step at ``batch`` fit? See the module doc."""
-
-    def __init__(self, plan: Plan, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
-                 device: torch.device, example: tuple[torch.Tensor, torch.Tensor], budget_bytes: int | None, *,
-                 clip: float) -> None:
-        self.model, self.optimizer, self.device, self.budget = plan.raw_model, optimizer, device, budget_bytes
-        self.peak_mib: dict[int, float] = {}
-        self.batches = ItemBatches(device, example)
-        # the trainer's step over one micro-batch of the plain model, without the step hooks
-        one_micro_batch = replace(plan, model=plan.raw_model, micro_steps=1, step_hooks=[], step_start_hooks=[])
-        self.step = TrainStep(one_micro_batch, optimizer, scheduler, self.batches, Untimed(), clip=clip, device=device)
-        self._params = self.step.params
-
-    def _resident(self) -> Iterator[torch.Tensor]:
-        """Tensors alive before a trial: parameters, buffers, gradients, optimizer state."""
-        yield from self.model.parameters()
-        yield from self.model.buffers()
-        yield from (p.grad for p in self._params if p.grad is not None)
-        for state in self.optimizer.state.values():
-            yield from (v for v in state.values() if isinstance(v, torch.Tensor))
-
-    def _step(self, batch: int) -> None:
-        self.batches.size = batch
-        with _zero_lr(self.optimizer):
-            self.step(0)
-
-    def prime(self) -> None:
-        """Create the optimizer state first, so every trial counts it (as every real step does)."""
-        for p in self._params:
-            p.grad = torch.zeros_like(p)
-        with _zero_lr(self.optimizer):
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def __call__(self, batch: int) -> bool:
-        release(self.device)
-        cuda = self.device.type == "cuda"
-        track = None if cuda else LiveTensorMemory(tensor_bytes(self._resident()), self.budget)
-        ok = True
-        try:
-            with track if track is not None else nullcontext():
-                self._step(batch)
-        except torch.OutOfMemoryError:
-            ok = False
-        except Exception:
-            if track is None or not track.exceeded:  # a real error, not the budget
-                raise
-            ok = False  # the autograd engine may re-raise our OOM as a RuntimeError
-        finally:
-            self.optimizer.zero_grad(set_to_none=True)
-        peak = torch.cuda.max_memory_allocated(self.device) if cuda else track.peak_bytes  # type: ignore[union-attr]
-        if self.budget is not None and peak > self.budget:
-            ok = False
-        self.peak_mib[batch] = peak / MIB  # unrounded: a trial just over the budget must read as over it
-        release(self.device)
-        return ok
+        batch = _line(fits, peaks, limit, cap)
+    except EstimateError as err:
+        return None, str(err)
+    return (batch or None), f"the line through {len(peaks)} estimates"
 
 
 def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -307,11 +167,12 @@ def _set_rng_state(device: torch.device, state: tuple[torch.Tensor, torch.Tensor
 def resolve_auto_batch(
     dl: DataLoaderConfig, device: torch.device, plan: Plan, optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler, train_sequences: int, example: tuple[torch.Tensor, torch.Tensor],
-    clip: float, start: Callable[[int, int], tuple[int | None, str]] | None = None,
+    step_of: StepOf, start: Callable[[int, int], tuple[int | None, str]] | None = None,
 ) -> dict[str, Any]:
     """Find the batch for ``dataloader.batch_size=auto``; return what was chosen and how, for
     summary.json (``batch_size`` is the choice). The run then starts as if it had been given.
-    ``start(limit_bytes, cap)``: the batch the memory estimate fits, where the search begins."""
+    ``step_of``: the trainer's step, which each trial takes; ``start(limit_bytes, cap)``: the
+    batch the memory estimate fits (:func:`estimated_start`), where the search begins."""
     budget_mib = dl.memory_budget_mib
     if device.type != "cuda" and budget_mib is None:
         import psutil
@@ -326,7 +187,7 @@ def resolve_auto_batch(
     if dl.max_batch_size is not None and dl.max_batch_size < cap:
         cap, cap_source = int(dl.max_batch_size), "dataloader.max_batch_size"
     budget = None if budget_mib is None else int(budget_mib * MIB)
-    trial = StepTrial(plan, optimizer, scheduler, device, example, budget, clip=clip)
+    trial = StepTrial(plan, optimizer, device, example, budget, step_of)
     limit = budget if budget is not None else torch.cuda.get_device_properties(device).total_memory
     estimated, how = start(limit, cap) if start is not None else (None, "no estimate")  # where the search starts
     rng, schedule, loss_scale = _rng_state(device), scheduler.state_dict(), plan.state_dict()

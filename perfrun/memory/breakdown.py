@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from perfrun.memory.tracker import CATEGORIES, SHORT, Breakdown, Tracker, tracker_missing
+from perfrun.memory.tracker import CATEGORIES, SHORT, Breakdown, CategoryTracker, tracker_missing
 from perfrun.telemetry.sinks import RecordSink
 from perfrun.telemetry.step_metrics import StepMetrics
 
@@ -87,7 +87,7 @@ class TrackedStep:
                 out = self.inner(step)
                 found = Breakdown({}, 0, method=f"peak only (no breakdown: {missing})", device=str(self.device))
             else:
-                tracker = Tracker(plan.raw_model, optimizer, fsdp=plan.sharded_state)
+                tracker = CategoryTracker(plan.raw_model, optimizer, fsdp=plan.sharded_state)
                 try:
                     with tracker, _fresh_module_stats(plan, tracker):
                         out = self.inner(step)
@@ -132,7 +132,7 @@ class TrackedStep:
 
 
 @contextmanager
-def _fresh_module_stats(plan: Any, tracker: Tracker) -> Iterator[None]:
+def _fresh_module_stats(plan: Any, tracker: CategoryTracker) -> Iterator[None]:
     """The tracker's module figures are per forward: under gradient accumulation they start
     again at each micro-step (the plan's micro-step context is where one begins)."""
     inner = plan.micro_step_context

@@ -36,8 +36,8 @@ import torch
 from perfrun.config import TrainConfig
 from perfrun.memory.tracker import (
     Breakdown,
+    CategoryTracker,
     ModuleStack,
-    Tracker,
     data_dependent_op,
     fake_mode,
     tracker_missing,
@@ -80,8 +80,8 @@ class Estimate:
 
 def variant(cfg: TrainConfig, **changes: Any) -> TrainConfig:
     """``cfg`` with dotted keys changed (``variant(cfg, **{"checkpointing.name": "full"})``),
-    as a copy: ``cfg`` itself is never written. (A copy of the typed tree takes ~0.3 ms on
-    2 cores; a round trip through OmegaConf took ~50 ms, and an estimate makes one.)"""
+    as a copy: ``cfg`` itself is never written. The typed tree is copied directly: a round
+    trip through OmegaConf costs far more, and every estimate makes one."""
     out = copy.deepcopy(cfg)
     for dotted, value in changes.items():
         *parents, name = dotted.split(".")
@@ -148,12 +148,12 @@ def _estimated_config(cfg: TrainConfig, device: torch.device, target: str) -> tu
 
 @contextmanager
 def _steps(cfg: TrainConfig, device: torch.device, vocab_size: int, batch: int, seq_len: int,
-           fake: bool) -> Iterator[Tracker]:
+           fake: bool) -> Iterator[CategoryTracker]:
     """Build everything under fake tensors, create the optimizer's state and run one optimizer
     step under the tracker; yield the tracker (its figures stay readable after the fake mode ends)."""
     from perfrun.knobs import apply_knobs
-    from perfrun.loop.optimizer import build_optimizer
     from perfrun.models.build import build_model
+    from perfrun.optimizer import build_optimizer
 
     with ExitStack() as stack:
         stack.enter_context(_quiet_knob_logs())
@@ -173,14 +173,14 @@ def _steps(cfg: TrainConfig, device: torch.device, vocab_size: int, batch: int, 
             with ModuleStack(plan.raw_model) as first, _said_in_one_line(first):
                 _fake_step(plan, optimizer, params, clip, batch, seq_len, vocab_size, device, None)
         # the steady step's peak, which no step of the run exceeds
-        tracker = Tracker(plan.raw_model, optimizer, fsdp=cfg.distributed == "fsdp")
+        tracker = CategoryTracker(plan.raw_model, optimizer, fsdp=cfg.distributed == "fsdp")
         with tracker, _said_in_one_line(tracker):
             _fake_step(plan, optimizer, params, clip, batch, seq_len, vocab_size, device, tracker)
         yield tracker
 
 
 @contextmanager
-def _said_in_one_line(watch: ModuleStack | Tracker) -> Iterator[None]:
+def _said_in_one_line(watch: ModuleStack | CategoryTracker) -> Iterator[None]:
     """A failure of the step inside, as one line naming the module it ran in (read while
     ``watch`` still holds the modules that were running)."""
     try:
@@ -219,7 +219,7 @@ def _one_line(e: BaseException, modules: list[str]) -> EstimateError:
 
 
 def _fake_step(plan: Any, optimizer: torch.optim.Optimizer, params: list[torch.Tensor], clip: float, batch: int,
-               seq_len: int, vocab_size: int, device: torch.device, tracker: Tracker | None) -> None:
+               seq_len: int, vocab_size: int, device: torch.device, tracker: CategoryTracker | None) -> None:
     """One optimizer step as perfrun/loop/step.py takes it, on random fake tokens (the
     tracker's module figures start again at each micro-step: they are per forward)."""
     micro = plan.micro_steps

@@ -1,11 +1,9 @@
-"""What fits a memory size: the largest batch (a bisection over fake-tensor estimates)
-and, for a configuration that does not fit, which knob would make it fit and by how much.
+"""What fits a memory size: for a configuration that does not fit, which knob would make it fit and by how much.
 Every figure here is an estimate (:mod:`perfrun.memory.estimate`), said so wherever shown."""
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,73 +40,6 @@ def memory_limit(size: str | None) -> tuple[int | None, str]:
         props = torch.cuda.get_device_properties(0)
         return int(props.total_memory), f"{props.name}'s memory"
     return None, "no GPU visible and no memory.size given"
-
-
-def largest_batch(fits_at: Callable[[int], int], limit: int, *, cap: int = 4096) -> tuple[int, int]:
-    """The largest batch up to ``cap`` whose estimated peak ``fits_at(batch)`` is within
-    ``limit``. The first guess is the straight line through batches 1 and 2 (a peak grows
-    about linearly in the batch); from there the search gallops outward (steps of 1, 2, 4, ...)
-    until a batch that fits and one that does not bracket the answer, then bisects. Every
-    batch it estimates is within twice the answer's distance from the guess, so no estimate
-    runs at a batch far larger than what fits (an estimate's time grows with the batch).
-    Returns (batch, estimates made); batch 0 when not even 1 fits."""
-    fits, peaks = _memo(fits_at, limit)
-    guess = _line_guess(fits, peaks, limit, cap)
-    if guess <= 1:
-        return guess, len(peaks)
-    lo, hi = 1, cap + 1  # lo fits, hi does not (cap + 1: beyond what may be tried)
-    step = 1
-    if fits(guess):
-        lo = guess
-        while lo < cap and hi == cap + 1:
-            b = min(cap, lo + step)
-            lo, hi = (b, hi) if fits(b) else (lo, b)
-            step *= 2
-    else:
-        hi = guess
-        while lo == 1 and hi > 2:
-            b = max(1, hi - step)
-            if b == 1:
-                break
-            lo, hi = (b, hi) if fits(b) else (lo, b)
-            step *= 2
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo, len(peaks)
-
-
-def line_guess(fits_at: Callable[[int], int], limit: int, *, cap: int = 4096) -> tuple[int, int]:
-    """The batch where the straight line through the estimated peaks at batches 1 and 2
-    meets ``limit`` (up to ``cap``): :func:`largest_batch`'s first guess, for a caller that
-    verifies it with trials of its own (the automatic batch size), where bracketing the
-    answer with more estimates would only repeat what its trials find. Returns (batch,
-    estimates made); batch 0 when not even 1 fits."""
-    fits, peaks = _memo(fits_at, limit)
-    return _line_guess(fits, peaks, limit, cap), len(peaks)
-
-
-def _memo(fits_at: Callable[[int], int], limit: int) -> tuple[Callable[[int], bool], dict[int, int]]:
-    """``fits(batch)``: whether the peak at ``batch`` is within ``limit``, each batch estimated
-    once; and the peaks estimated so far, by batch."""
-    peaks: dict[int, int] = {}
-
-    def fits(b: int) -> bool:
-        if b not in peaks:
-            peaks[b] = fits_at(b)
-        return peaks[b] <= limit
-
-    return fits, peaks
-
-
-def _line_guess(fits: Callable[[int], bool], peaks: dict[int, int], limit: int, cap: int) -> int:
-    if not fits(1):
-        return 0
-    if cap == 1:
-        return 1
-    fits(2)
-    slope = max(1, peaks[2] - peaks[1])
-    return max(1, min(cap, 1 + (limit - peaks[1]) // slope))
 
 
 @dataclass

@@ -92,20 +92,6 @@ def gpu_check_estimate(device: torch.device, bf16: bool) -> dict[str, Any]:
     return out
 
 
-def auto_batch_start(cfg: TrainConfig, vocab_size: int, limit: int, cap: int) -> tuple[int | None, str]:
-    """Where ``dataloader.batch_size=auto`` starts its search: the batch where the line
-    through the estimates at batches 1 and 2 meets ``limit`` (a step's peak grows about
-    linearly in the batch), or None, with why, when the estimate cannot be made. The search
-    verifies it with real trials, so no more estimates are made to bracket it."""
-    from perfrun.memory.fit import line_guess
-
-    try:
-        batch, runs = line_guess(lambda b: estimate(cfg, vocab_size, batch_size=b, top=0).peak_bytes, limit, cap=cap)
-    except EstimateError as err:
-        return None, str(err)
-    return (batch or None), f"the line through {runs} estimates"
-
-
 def gpu_check_line(fact: dict[str, Any]) -> str:
     if "error" in fact:
         return f"memory estimate: {fact['error']}"

@@ -131,8 +131,10 @@ class ModuleStack:
         return list(self._running)
 
 
-class Tracker:
-    """``with Tracker(model, optimizer): ...steps...`` then :meth:`breakdown`.
+class CategoryTracker:
+    """``with CategoryTracker(model, optimizer): ...steps...`` then :meth:`breakdown`: the
+    steps' peak by category and module (the step metrics' single peak figure is
+    :class:`perfrun.telemetry.step_metrics.PeakMemory`).
 
     ``fsdp``: the model is sharded by FSDP2 (the tracker's FSDP flavour counts the
     gathered and the sharded copies). Entering fails with RuntimeError naming the missing
@@ -152,7 +154,7 @@ class Tracker:
         if not fsdp:
             self._mt.track_external(model, *([optimizer] if optimizer is not None else []))
 
-    def __enter__(self) -> Tracker:
+    def __enter__(self) -> CategoryTracker:
         self._stack = ModuleStack(self.model).__enter__()
         try:
             self._mt.__enter__()

@@ -165,8 +165,10 @@ class PhaseTimer:
         }
 
 
-class MemoryTracker:
-    """Peak memory: the CUDA allocator's peak on GPU, sampled process RSS on the CPU."""
+class PeakMemory:
+    """Peak memory: the CUDA allocator's peak on GPU, sampled process RSS on the CPU. One
+    figure per log line; where it goes by category and module is
+    :class:`perfrun.memory.tracker.CategoryTracker`'s, for one step."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
@@ -218,7 +220,7 @@ class StepMetrics:
         # the device's wait for each prefetched batch copy, in ms (None: no copy prefetched)
         self.gpu_waits, self.handoffs_per_step = gpu_waits, handoffs_per_step
         self.gpu_wait_ms: list[float] | None = None
-        self.timer, self.phases, self.memory = StepTimer(device), PhaseTimer(device), MemoryTracker(device)
+        self.timer, self.phases, self.memory = StepTimer(device), PhaseTimer(device), PeakMemory(device)
         self.monitor: Monitor | None = None
         self.load: LoadMeter | None = None  # the host's CPU at log points when the monitor is off
         self.host_wall: list[float] = []  # per step of this process, index = step - start_step - 1
