@@ -84,8 +84,8 @@ def _compiled_frame_count() -> int | None:
     """Frames dynamo has compiled since its last reset (0 after torch.compiler.reset()).
 
     A private counter, read for diagnosis only: None where this torch lacks it. A process
-    that has not imported dynamo has compiled nothing: importing it only to read 0 cost a
-    fresh ``perfrun train`` ~2 s before its first check (a bad setting's one line waited on it).
+    that has not imported dynamo has compiled nothing, and importing it only to read 0 would
+    delay a fresh ``perfrun train``'s first check (a bad setting's one line would wait on it).
     """
     if "torch._dynamo" not in sys.modules:
         return 0

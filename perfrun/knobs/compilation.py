@@ -4,8 +4,8 @@
 its DDP wrapper, whose gradient buckets then split the graph; under FSDP2 the graph breaks
 at each block's all-gather and reduce-scatter hooks); ``blocks`` compiles each
 transformer block's ``forward`` on its own, with the module hooks outside the graph (the
-torchtitan recipe for FSDP). Measured on one H100 with GPT-2 124M and bf16 (BENCHMARKS.md),
-``model`` was the faster of the two under none, DDP and FSDP alike, so it is the default.
+torchtitan recipe for FSDP). ``model`` is the default because it measured the faster of the
+two under none, DDP and FSDP alike (BENCHMARKS.md: ``compile_options.scope``).
 Either way the state dict keeps the plain model's names.
 
 ``compile_options.mode``: ``default``; ``max-autotune-no-cudagraphs`` (inductor benchmarks

@@ -31,8 +31,8 @@ ESTIMATE_FILE = "sweep_estimate.json"
 CALIBRATION_STEPS = 4  # 1 warm-up step and 3 timed ones per rung kind
 SLOW_FACTOR = 4.0  # a kind whose step is this many times the naive trainer's is measured within a budget
 # The jobs aim to end 1 % before ablation.target_s: the process's start before the sweep's
-# first callback and the sweep summary with its plots after the last job (about 4 s of a
-# 10-minute CPU ladder) take the rest of the ladder's wall time.
+# first callback and the sweep summary with its plots after the last job take the rest of the
+# ladder's wall time (docs/measurements.md: the ladder's wall time).
 JOBS_SHARE = 0.99
 
 

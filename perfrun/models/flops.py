@@ -1,9 +1,9 @@
 """FLOPs per token measured for any model: torch's FlopCounterMode over one forward and
 backward, run under FakeTensorMode so that no arithmetic happens and no memory is taken.
 One of perfrun's own models small enough on the CPU (about a GFLOP a pass) is counted on
-real copies of its tensors instead: the same count, in tens of milliseconds where fake
-tensors take hundreds (GPTs of 2-4 layers, 32-64 wide, 32 tokens, on one core of a 2-core
-EPYC: 32-62 ms against 140-314 ms once fake tensors were first used in the process).
+real copies of its tensors instead: the same count, sooner, because a small model's real
+arithmetic costs less than dispatching its ops through fake tensors
+(docs/measurements.md: counting FLOPs).
 
 The model's own parameters are not touched: the pass goes through ``functional_call`` with
 copies of them (fake, or real clones), and the gradients are taken with ``autograd.grad``.
@@ -80,11 +80,11 @@ def register_cpu_attention() -> None:
 # and gives every trainable parameter a gradient (the memory estimate relies on that too)
 OWN_MODELS = ("perfrun.models.gpt", "perfrun.models.llama")
 # their counts in this process, by configuration: a sweep's jobs run in one process (Hydra's
-# basic launcher) and most share a model, which is then counted once (0.4 s for GPT-2 small)
+# basic launcher) and most share a model, which is then counted once
 _counted: dict[tuple[Any, ...], float] = {}
-# the largest pass counted on real CPU tensors: ~1e9 FLOPs is tens of milliseconds on one core,
-# the time fake tensors take to dispatch a small model's few hundred ops (GPT-2 small at 1,024
-# tokens, ~7.6e11, took 15.2 s for real and 0.65 s fake on one core of the 2-core EPYC)
+# the largest pass counted on real CPU tensors: about where real arithmetic on one core costs
+# what fake tensors take to dispatch a small model's ops; far above it (GPT-2 small at 1,024
+# tokens, ~7.6e11 FLOPs) the real pass is many times slower than the fake one
 REAL_PASS_FLOPS = 1e9
 
 

@@ -30,9 +30,9 @@ from perfrun.telemetry.aggregate import (
 )
 from perfrun.telemetry.host import HostInterval, HostSampler
 
-#: Reads that block for milliseconds (NVML's energy counter ~4 ms on an H100, the /proc
-#: scan for worker processes ~2 ms) happen in the sampler thread at most this often,
-#: never on the training thread while the sampler runs.
+#: Reads that block for milliseconds (NVML's energy counter, the /proc scan for worker
+#: processes) happen in the sampler thread at most this often, never on the training thread
+#: while the sampler runs.
 SLOW_READ_PERIOD_S = 1.0
 
 

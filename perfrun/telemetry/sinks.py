@@ -53,8 +53,9 @@ class JsonlSink:
             self._f = None
 
 
-# rich's default (10 redraws a second) took 12 ms of CPU a second in its drawing thread, under the GIL
-# the step's Python waits for; 2 a second took 4 ms (scripts/bench_side_threads.py, BENCHMARKS.md)
+# rich redraws in a thread that holds the GIL the step's Python waits for, so fewer redraws than its
+# default 10 a second leave the step more; 2 a second still reads as live (docs/measurements.md
+# has what each costs, and the command that measures it)
 PROGRESS_REFRESH_PER_S = 2
 TIME_FORMAT = "%H:%M:%S"  # every console line, Hydra's own included: "06:12:01 message"
 TIME_WIDTH = len("00:00:00 ")
