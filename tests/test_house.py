@@ -38,7 +38,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "report": {"checkpoint"},  # atomic writes
     "telemetry": {"checkpoint"},  # atomic writes
     "data": {"checkpoint"},  # atomic writes
-    "tune": set(),  # the search and its configuration; the command runs the trials
+    "tune": {"loop", "report"},  # its trials are short runs of the trainer, shown as a report's table
     "models": {"checkpoint"},  # the Hugging Face layout's safetensors, written atomically
     "checkpoint": set(),  # saves Stateful parts: knows no class of the loop, the knobs or the models
 }

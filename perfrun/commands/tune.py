@@ -1,41 +1,18 @@
-"""``perfrun tune [overrides] [tune.KEY=VALUE | flags]``: the configuration with the highest tokens/s, measured.
-
-Not the largest batch that fits: the fastest one. Each trial is a short run of the real
-trainer (:func:`perfrun.loop.run.run`, progress off) in its own dir under the tune dir, and
-its figure is the median tokens/s over the steps after ``tune.warmup`` (so compile time and
-the first allocations stay out). The search is greedy, one knob at a time, so it costs a
-handful of trials rather than the grid:
-
-1. **batch**: checkpointing none, eager, the first ``tune.workers`` option; batch sizes
-   doubling from ``tune.start`` (or ``tune.batch_sizes``) until a trial fails (out of memory,
-   more than the data holds) or tokens/s has not grown by more than ``tune.min_gain`` for
-   ``tune.patience`` sizes in a row.
-2. **checkpointing** (each other option): it recomputes activations, so at a batch that
-   fits without it, it is slower. Its ladder starts at the first batch that failed in 1;
-   if none failed, one trial at the best batch measures what it costs.
-3. **compile** (if searched): on the best so far, a ladder from its batch upward (compiled
-   code can use less memory and so fit more).
-4. **workers** (each other option): one trial at the best.
-
-The winner is the fastest completed trial of all, unless a trial within ``tune.min_gain``
-of it (inside the noise) turns on fewer knobs: then that one, since a difference the noise
-can make is no reason to add a knob; a trial that shared the machine (contended) wins only
-if every trial did. Any searched key given on the command
-line (``dataloader.batch_size=16``, ``checkpointing=full``, ``compile=true``,
-``dataloader.num_workers=2``) is held fixed. The trials measure: they save no checkpoints
-unless the command line asks (``checkpoint.at_end=true``, ``checkpoint.every_n_steps=N``).
-:func:`search` takes the trial as a callable, so tests plant the figures.
+"""``perfrun tune [overrides] [tune.KEY=VALUE | flags]``: the configuration with the highest
+tokens/s, measured by short runs of the real trainer (:mod:`perfrun.tune.trial`), searched
+greedily one knob at a time (:mod:`perfrun.tune.search` says in which order and how the winner
+is chosen). Any searched key given on the command line is held fixed; the trials save no
+checkpoints unless the command line asks (``checkpoint.at_end=true``,
+``checkpoint.every_n_steps=N``).
 
 The command is a Hydra app (conf/tune.yaml, keys typed by :mod:`perfrun.tune.config`):
 the tune dir is its run dir, with ``.hydra/`` and the trials' log lines in ``tune.log``.
 """
-
 from __future__ import annotations
 
 import json
 import logging
 import sys
-import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -51,73 +28,17 @@ from perfrun.tune.config import (
     register_tune_schema,
 )
 from perfrun.tune.search import Candidate, Space, TrialResult, TuneResult, search
+from perfrun.tune.space import space_for
+from perfrun.tune.table import trials_table
+from perfrun.tune.trial import NO_CHECKPOINTS, TrainTrial
 
 if TYPE_CHECKING:
-    from perfrun.config import TrainConfig
+    pass
 
 SEARCHED = ("dataloader.batch_size", "checkpointing", "compile", "dataloader.num_workers")
 TRIAL_KEYS = ("max_steps", "timing_warmup_steps", "log_every", "eval_every", "eval_batches", "progress",
               "monitor.every_n_steps")
-# A trial measures; it keeps no checkpoint unless the command line sets one of these keys.
-NO_CHECKPOINTS = {"checkpoint.at_end": "false", "checkpoint.every_n_steps": "0"}
 __all__ = ["Candidate", "Space", "TrialResult", "TuneError", "TuneResult", "default_workers", "main", "search"]
-
-
-# ------------------------------------------------------------------------------- real trials
-
-
-class TrainTrial:
-    """``trial(candidate)``: a short run of the trainer in ``out_dir/N``; see the module doc."""
-
-    def __init__(self, overrides: Sequence[str], out_dir: Path, steps: int, warmup: int,
-                 no_checkpoints: Sequence[str] = ()) -> None:
-        self.overrides = list(overrides)
-        self.out_dir = out_dir
-        self.settings = [f"max_steps={steps}", f"timing_warmup_steps={warmup}", f"log_every={steps}",
-                         "eval_every=0", "eval_batches=1", "progress=off", f"monitor.every_n_steps={steps}",
-                         "memory.breakdown=true", *no_checkpoints]
-        self.count = 0
-
-    def compose(self, candidate: Candidate) -> TrainConfig:
-        """The trial's configuration, composed once and typed (ConfigError for a key perfrun lacks)."""
-        from hydra import compose, initialize_config_dir
-        from hydra.core.global_hydra import GlobalHydra
-
-        from perfrun.config import config_dir, register_configs, typed
-
-        overrides = [*self.overrides, *candidate.overrides(), *self.settings]
-        if GlobalHydra.instance().is_initialized():  # inside the tune's Hydra app, which searches conf/
-            return typed(compose("train", overrides=overrides))
-        register_configs()
-        with initialize_config_dir(config_dir=config_dir(), version_base="1.3", job_name="tune"):
-            return typed(compose("train", overrides=overrides))
-
-    def __call__(self, candidate: Candidate) -> TrialResult:
-        from perfrun.config import ConfigError
-        from perfrun.loop.run import RunFailed, run
-
-        run_dir = self.out_dir / str(self.count)
-        self.count += 1
-        t0 = time.perf_counter()
-        try:
-            cfg = self.compose(candidate)
-            s = run(cfg, run_dir, overrides=[*self.overrides, *candidate.overrides(), *self.settings])
-        except (ConfigError, RunFailed) as e:
-            status = "oom" if "out of memory" in str(e) else "failed"
-            return TrialResult(candidate, status, reason=str(e), run_dir=str(run_dir),
-                               seconds=time.perf_counter() - t0)
-        except Exception as e:  # noqa: BLE001 - one broken point (an inductor crash, say) must not end the search
-            first = (str(e).strip().splitlines() or [""])[0]
-            return TrialResult(candidate, "failed", reason=f"{type(e).__name__}: {first}", run_dir=str(run_dir),
-                               seconds=time.perf_counter() - t0)
-        tps = s.get("tokens_per_s_median")
-        return TrialResult(
-            candidate, "completed" if tps is not None else "failed", tokens_per_s=tps,
-            peak_mem_mib=s.get("peak_mem_mib"), step_time_ms=s.get("step_time_ms_median"),
-            first_step_s=s.get("first_step_s"), run_dir=str(run_dir), seconds=time.perf_counter() - t0,
-            contended=(s.get("contention") or {}).get("contended"),
-            reason=None if tps is not None else "no steady step was timed; raise tune.steps (--steps) above tune.warmup",
-        )
 
 
 # ------------------------------------------------------------------------------- output
@@ -126,34 +47,6 @@ class TrainTrial:
 def command_line(winner: Candidate, overrides: Sequence[str]) -> str:
     """The override line to paste: the user's overrides and the winner's knobs."""
     return " ".join(["perfrun train", *overrides, *winner.overrides()])
-
-
-def trials_table(result: TuneResult) -> Any:
-    """Every trial, the winner starred, through the report's column specification."""
-    from perfrun.report.columns import Column
-    from perfrun.report.render import rich_table
-
-    best = result.winner.tokens_per_s if result.winner else None
-    number = {id(r): i for i, r in enumerate(result.trials)}
-    columns = [
-        Column("best", "", lambda r: r is result.winner, text=lambda r: "★" if r is result.winner else "",
-               justify="left"),
-        Column("trial", "#", lambda r: number[id(r)]),
-        Column("phase", "phase", lambda r: r.phase, justify="left"),
-        Column("batch", "batch", lambda r: r.candidate.batch_size),
-        Column("checkpointing", "checkpointing", lambda r: r.candidate.checkpointing, justify="left"),
-        Column("compile", "compile", lambda r: str(r.candidate.compile).lower(), justify="left"),
-        Column("workers", "workers", lambda r: r.candidate.num_workers),
-        Column("status", "status", lambda r: r.status, justify="left"),
-        Column("tokens_per_s", "tok/s", lambda r: r.tokens_per_s, ",.0f"),
-        Column("vs_best", "vs best", lambda r: r.tokens_per_s / best if (r.tokens_per_s and best) else None, ".2f"),
-        Column("peak_mem_mib", "peak MiB", lambda r: r.peak_mem_mib, ",.0f"),
-        Column("step_time_ms", "step ms", lambda r: r.step_time_ms, ".1f"),
-        Column("first_step_s", "first step s", lambda r: r.first_step_s, ".2f"),
-    ]
-    return rich_table(columns, result.trials, lambda r: "best" if r is result.winner else (None if r.ok else "bad"),
-                      title="perfrun tune: trials",
-                      caption="★ highest tokens/s (median of the steady steps of each trial)")
 
 
 # ------------------------------------------------------------------------------- command line
@@ -201,59 +94,6 @@ def _compose(args: list[str]) -> tuple[TuneConfig, Path]:
         raise TuneError(composition_error(e, "tune")) from None
 
 
-def _searched(tc: TuneConfig) -> Space:
-    """The options to search: tune's settings, or the default for each left null."""
-    from perfrun.config import CHOICES
-
-    for name in ("batch_sizes", "checkpointing", "compile", "workers"):
-        if getattr(tc, name) == []:
-            raise TuneError(f"tune.{name}=[] tries nothing; give at least one value, or null for the default")
-    bad = [c for c in tc.checkpointing or [] if c not in CHOICES["checkpointing.name"]]
-    if bad:
-        raise TuneError(f"tune.checkpointing: {bad[0]} is not an option; choose from "
-                        f"{', '.join(CHOICES['checkpointing.name'])}")
-    if tc.workers is not None and min(tc.workers) < 0:
-        raise TuneError(f"tune.workers={override_value(tc.workers)}: give whole numbers >= 0, e.g. [0,2]")
-    quick = tc.quick
-    return Space(
-        checkpointing=tc.checkpointing or (["none"] if quick else ["none", "full"]),
-        compile=tc.compile or ([False] if quick else [False, True]),
-        num_workers=tc.workers or ([0] if quick else [0, default_workers()]),
-        batch_sizes=tc.batch_sizes, start=tc.start, max_batch=tc.max_batch,
-        patience=tc.patience, min_gain=tc.min_gain,
-    )
-
-
-def _space(tc: TuneConfig, fixed: dict[str, str]) -> Space:
-    """The search space, with each searched key the command line gave held fixed."""
-    space = _searched(tc)
-    if "dataloader.batch_size" in fixed:
-        b = fixed["dataloader.batch_size"]
-        if not b.isdigit() or int(b) < 1:
-            raise TuneError(f"dataloader.batch_size={b}: tune holds a given batch size fixed and needs a whole number >= 1 "
-                            "(drop it to search batch sizes)")
-        space.batch_sizes = [int(b)]
-    if "checkpointing" in fixed:
-        space.checkpointing = [fixed["checkpointing"]]
-    if "compile" in fixed:
-        if fixed["compile"].lower() not in ("true", "false"):
-            raise TuneError(f"compile={fixed['compile']} must be true or false")
-        space.compile = [fixed["compile"].lower() == "true"]
-    if "dataloader.num_workers" in fixed:
-        w = fixed["dataloader.num_workers"]
-        if not w.isdigit():
-            raise TuneError(f"dataloader.num_workers={w} must be a whole number >= 0")
-        space.num_workers = [int(w)]
-    if space.start < 1 or (space.max_batch is not None and space.max_batch < space.start):
-        raise TuneError(f"--start {space.start} and --max-batch {space.max_batch}: need 1 <= start <= max-batch "
-                        "(tune.start, tune.max_batch)")
-    if space.batch_sizes is not None and min(space.batch_sizes) < 1:
-        raise TuneError("--batch-sizes: every batch size must be >= 1 (tune.batch_sizes)")
-    if space.patience < 1 or not space.min_gain >= 0:
-        raise TuneError("--patience must be >= 1 and --min-gain >= 0 (tune.patience, tune.min_gain)")
-    return space
-
-
 def _request(args: list[str], trial: Callable[[Candidate], TrialResult] | None) -> TuneRequest:
     """Everything checked before the first trial, so that a mistake is one line and costs nothing."""
     tc, out = _compose(args)
@@ -270,7 +110,7 @@ def _request(args: list[str], trial: Callable[[Candidate], TrialResult] | None) 
                             "(use --steps and --warmup for the trial length)")
         if _key(o) in SEARCHED:
             fixed[_key(o)] = o.partition("=")[2]
-    space = _space(tc, fixed)
+    space = space_for(tc, fixed)
     overrides = [o for o in trainer if _key(o) not in SEARCHED]
     given = {_key(o) for o in trainer}
     no_checkpoints = [f"{k}={v}" for k, v in NO_CHECKPOINTS.items() if k not in given]

@@ -1,3 +1,3 @@
-"""perfrun tune's library: its configuration (the trainer's with tune's keys) and the
-greedy search over batch size, checkpointing, compile and workers.
-Imports only perfrun's root modules (config, console); the command runs the trials."""
+"""perfrun tune's library: its configuration (the trainer's with tune's keys), the search
+space, the greedy search over batch size, checkpointing, compile and workers, the trials (short
+runs of the trainer) and their table."""

@@ -1,6 +1,32 @@
-"""The greedy search of ``perfrun tune`` (see :mod:`perfrun.commands.tune` for the order in which
-it tries the knobs): the candidates, the trials' results, and :func:`search`, which takes
-the trial as a callable, so tests plant the figures."""
+"""The greedy search of ``perfrun tune``: the candidates, the trials' results, and
+:func:`search`, which takes the trial as a callable, so tests plant the figures.
+
+Not the largest batch that fits: the fastest one. Each trial is a short run of the real
+trainer (:func:`perfrun.loop.run.run`, progress off) in its own dir under the tune dir, and
+its figure is the median tokens/s over the steps after ``tune.warmup`` (so compile time and
+the first allocations stay out). The search is greedy, one knob at a time, so it costs a
+handful of trials rather than the grid:
+
+1. **batch**: checkpointing none, eager, the first ``tune.workers`` option; batch sizes
+   doubling from ``tune.start`` (or ``tune.batch_sizes``) until a trial fails (out of memory,
+   more than the data holds) or tokens/s has not grown by more than ``tune.min_gain`` for
+   ``tune.patience`` sizes in a row.
+2. **checkpointing** (each other option): it recomputes activations, so at a batch that
+   fits without it, it is slower. Its ladder starts at the first batch that failed in 1;
+   if none failed, one trial at the best batch measures what it costs.
+3. **compile** (if searched): on the best so far, a ladder from its batch upward (compiled
+   code can use less memory and so fit more).
+4. **workers** (each other option): one trial at the best.
+
+The winner is the fastest completed trial of all, unless a trial within ``tune.min_gain``
+of it (inside the noise) turns on fewer knobs: then that one, since a difference the noise
+can make is no reason to add a knob; a trial that shared the machine (contended) wins only
+if every trial did. Any searched key given on the command
+line (``dataloader.batch_size=16``, ``checkpointing=full``, ``compile=true``,
+``dataloader.num_workers=2``) is held fixed. The trials measure: they save no checkpoints
+unless the command line asks (``checkpoint.at_end=true``, ``checkpoint.every_n_steps=N``).
+:func:`search` takes the trial as a callable, so tests plant the figures.
+"""
 
 from __future__ import annotations
 
