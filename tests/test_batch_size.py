@@ -46,6 +46,16 @@ def test_search_from_a_start_above_the_limit_goes_down() -> None:
     assert (r.batch_size, r.max_fit, r.first_fail) == (20, 20, 21)
 
 
+def test_a_search_started_near_the_answer_never_tries_far_past_it() -> None:
+    """batch_size=auto starts at the estimate's batch: from there the search gallops (+1, +2,
+    +4, ...), so no trial runs a batch far larger than what fits (a CUDA trial past the limit
+    costs an out-of-memory and a cache flush)."""
+    tried: list[int] = []
+    r = search(lambda b: tried.append(b) or b <= 21, start=20)
+    assert (r.max_fit, r.first_fail) == (21, 22)
+    assert max(tried) <= 20 + 2 * (21 - 20) + 1, tried
+
+
 def test_cap_stops_growth_without_a_margin() -> None:
     r = search(lambda b: True, cap=48, margin=0.25)
     assert (r.batch_size, r.max_fit, r.first_fail) == (48, 48, None)
