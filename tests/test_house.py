@@ -28,9 +28,9 @@ MAY_IMPORT: dict[str, set[str]] = {
     # the ladder plans, runs and reads a sweep of jobs: the loop runs each, the report renders them
     "ladder": {"loop", "memory", "knobs", "models", "data", "checkpoint", "telemetry", "report"},
     "loop": {"memory", "knobs", "models", "data", "checkpoint", "telemetry"},  # setup and the schedule
-    # the estimate builds the run's model, knobs and optimizer under fake tensors; the breakdown
-    # writes through telemetry's sinks; the loop takes its step trials and its breakdown from here
-    "memory": {"knobs", "models", "telemetry", "checkpoint"},
+    # the estimate builds the run's model and knobs under fake tensors; the breakdown writes
+    # through telemetry's sinks; the loop hands its own step to the batch-size trials
+    "memory": {"knobs", "models", "telemetry"},
     "knobs": {"models"},  # a knob acts on the model (the chunked loss on its head)
     "inference": {"models", "data", "checkpoint"},  # a saved run, rebuilt and sampled
     "prepare": {"data", "checkpoint"},  # a corpus written as the data sources read it
