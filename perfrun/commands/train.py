@@ -128,7 +128,7 @@ def _failed_jobs(in_process: list[str], sweep_dir: str | None) -> list[str]:
     job in another process (slurm, slurm_local) leaves them."""
     if in_process or sweep_dir is None:
         return in_process
-    from perfrun.commands.sweep_callback import failed_jobs
+    from perfrun.ladder.callback import failed_jobs
 
     return failed_jobs(Path(sweep_dir))
 
@@ -187,7 +187,7 @@ def train_main(args: list[str]) -> int:
     if problem is not None:
         error(problem)
         return 2
-    from perfrun.commands import sweep_jobs
+    from perfrun.ladder import jobs as sweep_jobs
 
     problem, sweep_hydra = sweep_jobs.override_grammar(args), None
     if problem is None and _multirun(args):
@@ -347,7 +347,7 @@ def _run_app(args: list[str], search_root: Path | None, sweep_hydra: DictConfig 
             args = [*args, f"hydra.sweep.dir={quoted(sweep_dir)}"]
         except Exception:  # noqa: BLE001 - a bad hydra.* override: Hydra reports it just below
             sweep_dir = None
-    from perfrun.commands.sweep_jobs import stops_cleanly
+    from perfrun.ladder.jobs import stops_cleanly
 
     with stops_cleanly(sweep_dir):
         run_hydra("train", args, _app(args, search_root, failed))
@@ -364,7 +364,7 @@ def _run_composed(args: list[str], composed: DictConfig, redirect: list[str], se
     the resume=auto run dir, or a rank's folders and quiet logging), through Hydra's own job
     machinery, so that it is not composed again."""
     from perfrun.commands.hydra_app import run_composed, with_hydra_overrides
-    from perfrun.commands.sweep_jobs import stops_cleanly
+    from perfrun.ladder.jobs import stops_cleanly
 
     with stops_cleanly(None):
         run_composed("train", with_hydra_overrides(composed, redirect), _app(args, search_root, []))
@@ -379,7 +379,7 @@ def _app(args: list[str], search_root: Path | None, failed: list[str]) -> Callab
 
     from perfrun.checkpoint.resume_search import RunSearch, job_config
     from perfrun.config import ConfigError
-    from perfrun.loop.found_batches import FoundBatches
+    from perfrun.memory.found_batches import FoundBatches
 
     found = FoundBatches()  # a sweep's repeats of one job reuse its batch search (batch_size=auto)
 
@@ -400,7 +400,7 @@ def _app(args: list[str], search_root: Path | None, failed: list[str]) -> Callab
                 config = _breakdown_in_repeat_0(_with_planned_budget(config, Path(hc.sweep.dir)))
             decision = None
             if config.ablation.rung and world_size() == 1:  # a ladder rung: skipped where its knob cannot act
-                from perfrun.commands.rungs import decide, skip
+                from perfrun.ladder.rungs import decide, skip
 
                 decision = decide(config)
                 if decision.skip is not None:
@@ -419,7 +419,7 @@ def _app(args: list[str], search_root: Path | None, failed: list[str]) -> Callab
                 search = RunSearch(search_root, job_config(cfg), run_dir) if search_root is not None else None
                 try:
                     if config.ablation.rung:
-                        from perfrun.commands.rungs import run_rung
+                        from perfrun.ladder.rungs import run_rung
 
                         run_rung(config, run_dir, overrides=overrides, search=search, sweep_args=args,
                                  decision=decision, found=found)
@@ -443,7 +443,7 @@ def _app(args: list[str], search_root: Path | None, failed: list[str]) -> Callab
 def _measured_before(cfg: TrainConfig, run_dir: Path, overrides: list[str]) -> bool:
     """A sweep job with ``resume=auto`` that the sweep dir already holds measured: True, with a
     log line, and the job is not run again."""
-    from perfrun.commands.sweep_jobs import already_measured
+    from perfrun.ladder.jobs import already_measured
 
     if cfg.resume != "auto":
         return False
@@ -456,7 +456,7 @@ def _measured_before(cfg: TrainConfig, run_dir: Path, overrides: list[str]) -> b
 def _with_planned_budget(cfg: TrainConfig, sweep_dir: Path) -> TrainConfig:
     """The job with the time budget the sweep's calibration gives its rung kind in
     ``ablation.budget_s``, unless the command line set one."""
-    from perfrun.commands.sweep_plan import budget_for
+    from perfrun.ladder.plan import budget_for
 
     planned = budget_for(sweep_dir, cfg) if cfg.ablation.budget_s is None else None
     if planned is None:
