@@ -32,7 +32,7 @@ from typing import Any
 from perfrun.report.memory_plot import add_savings, rung_breakdown
 from perfrun.report.metrics_file import train_records
 from perfrun.report.noise import OUTLIER_RATIO, Effect, Spread, effect, outliers, spread
-from perfrun.report.rows import Report, Row, finite
+from perfrun.report.rows import HOW_RUN, Report, Row, finite
 from perfrun.report.verdict import against_reference, flat, recommend, verdict_line
 from perfrun.summary import read_summary
 
@@ -40,7 +40,7 @@ DEFAULT_LOSS_WINDOW = 0.2
 LOSS_FACTOR = 3.0
 LOSS_CEILING = 0.05
 #: keys a rung's configuration differs in that are not the knob (the line to paste leaves them out)
-NOT_KNOBS = ("ablation", "seed", "repeat")
+NOT_KNOBS = ("ablation", "seed", "repeat", *HOW_RUN)
 
 
 def train_losses(job: Path) -> dict[int, float]:
