@@ -239,6 +239,15 @@ def test_hydra_rerun_from_a_pickle_is_refused(args: list[str], pickled: tuple[Pa
     assert set(tmp_path.rglob("*")) == before
 
 
+def test_tune_takes_no_rerun_flag(pickled: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                  capfd: pytest.CaptureFixture[str]) -> None:
+    """perfrun tune parses its own flags: Hydra's rerun flag is not one of them."""
+    path, marker = pickled
+    done = perfrun("tune", "--experimental-rerun", str(path), cwd=tmp_path, monkeypatch=monkeypatch, capfd=capfd)
+    assert not marker.exists(), "the pickle was read"
+    refused(done, "--experimental-rerun")
+
+
 DATASET = '''
 import torch
 
