@@ -5,7 +5,8 @@ SDPA) is run in this process as a user runs it; it stops before its last job (th
 folder never made), and is resumed with the command perfrun prints for a stopped sweep
 (``resume=auto``). The verdict line it prints, with only ``device=cpu`` and a short
 ``max_steps=`` appended, trains to completion; it never carries ``resume=``, ``repeat=`` or
-``hydra.*``, and the runs table lists no ``resume`` as a swept override.
+``hydra.*``, and the runs table lists no ``resume`` as a swept override. A verdict that can
+rank nothing names the defaults, still as a command and a shell comment.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from perfrun import report
 from perfrun.commands.sweep_callback import resume_command
 from perfrun.commands.train import train_main
 from perfrun.commands.tune import kept_logging
+from perfrun.report.verdict import verdict_line
 
 from conftest import TINY_MODEL
 
@@ -63,8 +65,8 @@ def test_the_verdict_line_of_a_resumed_ladder_trains_as_pasted(tmp_path: Path, o
 
     verdicts = [line for line in out.splitlines() if line.startswith("verdict: ")]
     assert len(verdicts) == 1, out
-    line = verdicts[0].removeprefix("verdict: ").split("  # ")[0]
-    words = shlex.split(line)
+    line = verdicts[0].removeprefix("verdict: ")
+    words = shlex.split(line, comments=True)  # as a shell reads the pasted line
     assert words[:2] == ["perfrun", "train"], line
     assert not [w for w in words if w.startswith(("resume=", "repeat=", "hydra."))], line
 
@@ -75,3 +77,12 @@ def test_the_verdict_line_of_a_resumed_ladder_trains_as_pasted(tmp_path: Path, o
     assert code == 0, f"{line} device=cpu max_steps=1: {out}"
     (summary,) = pasted.glob("outputs/*/*/summary.json")
     assert json.loads(summary.read_text())["status"] == "completed"
+
+
+@pytest.mark.parametrize("why", ["no rung can be ranked: every job shared the machine (contended); rerun on a "
+                                 "quiet machine", "no job was measured (no completed, uncontended job within loss parity)"])
+def test_a_verdict_of_the_defaults_is_a_command_and_a_comment(why: str) -> None:
+    """Where nothing could be ranked the verdict names the defaults; pasted, it is still a command."""
+    line = verdict_line({"knobs": [], "dropped": [], "line": "perfrun train", "why": why}, None)
+    assert shlex.split(line.removeprefix("verdict: "), comments=True) == ["perfrun", "train"], line
+    assert why in line

@@ -190,9 +190,10 @@ def _has(config: dict[str, Any], rs: _Rungs, below: str, rung: str) -> bool:
 
 
 def verdict_line(rec: dict[str, Any], base_mem: float | None) -> str:
-    """The sweep's last line: what to run, and what it bought."""
+    """The sweep's last line: what to run, and what it bought; what follows the command is a
+    shell comment, so the line after ``verdict: `` runs as pasted."""
     if "measured_as" not in rec:
-        return f"verdict: {rec['line']} (defaults): {rec.get('why', '')}"
+        return f"verdict: {rec['line']}  # the defaults: {rec.get('why', '')}"  # after '  # ': a shell comment
     mem = f"{rec['peak_mem_mib']:,.0f} MiB" if rec.get("peak_mem_mib") is not None else "n/a"
     if base_mem and rec.get("peak_mem_mib") is not None:
         mem += f" ({rec['peak_mem_mib'] / base_mem:.2f}× the naive trainer's)"
