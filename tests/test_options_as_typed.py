@@ -23,6 +23,7 @@ from perfrun.config import (
     INTERNAL_GROUPS,
     ConfigError,
     TrainConfig,
+    as_option,
     config_dir,
     group_listing,
     select,
@@ -111,3 +112,13 @@ def test_every_listed_option_is_accepted_as_typed(override: str) -> None:
         validate(cfg)
     except ConfigError as e:  # another rule may refuse it here (a CUDA-only knob on the CPU), never its spelling
         assert "is not an option" not in str(e), f"{override}: {e}"
+
+
+def test_an_option_is_found_by_what_it_means() -> None:
+    """What OmegaConf makes of a typed option in a string key, mapped back; anything else kept
+    for validate to refuse (an option list of numbers, as a future key may have, included)."""
+    assert as_option("True", ("auto", "true", "false")) == "true"
+    assert as_option("False", ("auto", "true", "false")) == "false"
+    assert as_option("1.0", ("1", "2")) == "1" and as_option("2", ("1.5", "2.0")) == "2.0"
+    assert as_option("maybe", ("auto", "true", "false")) == "maybe"
+    assert as_option("True", ("on", "off")) == "True"  # no guessing beyond the spelling
