@@ -327,7 +327,35 @@ def typed(composed: DictConfig) -> TrainConfig:
         if f.init and f.name in composed:
             value = composed[f.name]
             values[f.name] = OmegaConf.to_object(value) if OmegaConf.is_config(value) else value
-    return TrainConfig(**values)
+    cfg = TrainConfig(**values)
+    for key, options in CHOICES.items():
+        parent, _, leaf = key.rpartition(".")
+        node = _get(cfg, parent) if parent else cfg
+        setattr(node, leaf, as_option(getattr(node, leaf), options))
+    return cfg
+
+
+def as_option(value: Any, options: tuple[str, ...]) -> Any:
+    """The option of a string key that ``value`` spells, as the option is written. Hydra's
+    override grammar (and YAML) reads ``true``, ``false`` and numbers as such, and OmegaConf
+    stores them in a string key as ``True``, ``False``, ``1.0``: the option typed is found
+    again by what it means, so ``optim.fused=true`` is the option ``true``. Anything else is
+    returned as it is (validate refuses it, listing the options)."""
+    text = str(value)
+    if text in options:
+        return text
+    if text in ("True", "False") and text.lower() in options:
+        return text.lower()
+    number = _as_number(text)
+    same = [o for o in options if number is not None and _as_number(o) == number]
+    return same[0] if same else value
+
+
+def _as_number(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:
+        return None
 
 
 def as_dict(cfg: TrainConfig) -> dict[str, Any]:

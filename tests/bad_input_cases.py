@@ -158,6 +158,14 @@ CASES = [
          "the override grammar cannot read this value"),
     Case("a run dir name longer than the filesystem takes", ("train", "hydra.run.dir={d}/" + "r" * 300),
          "more than the 255 this filesystem allows"),
+    Case("int8 report of a checkpoint that records a data class", ("export", "checkpoint={d}/records_data_class.pt",
+                                                                   "format=int8-report"),
+         "perfrun never imports a class that a file names", small=False),
+    Case("resume from a checkpoint that records a model class not typed", ("train", "resume={d}/records_model_class.pt"),
+         "perfrun never imports a class that a file names"),
+    Case("generate from a checkpoint of a custom model", ("generate", "checkpoint={d}/records_model_class.pt"),
+         "perfrun never imports a class that a file names", small=False),
+    Case("Hydra's rerun from a pickle", ("train", "--experimental-rerun", "{d}/config.pickle"), "never reads one"),
 ]
 
 
@@ -193,6 +201,7 @@ def make_fixtures(d: Path, good_checkpoint: Path, small_checkpoint: Path) -> Non
         "tie_word_embeddings": True, "max_position_embeddings": 8192, "vocab_size": 49152}))
     damaged_resumes(d, small_checkpoint)
     untrusted_and_mistyped(d)
+    recorded_code(d, small_checkpoint)
 
 
 def untrusted_and_mistyped(d: Path) -> None:
@@ -227,3 +236,30 @@ def damaged_resumes(d: Path, small_checkpoint: Path) -> None:
     variant("bad_rng.pt", lambda s: s["rng"].__setitem__("torch", torch.zeros(3, dtype=torch.uint8)))
     variant("negative_step.pt", lambda s: s.__setitem__("step", -5))
     variant("bad_position.pt", lambda s: s["data"].__setitem__("consumed", "x"))
+
+
+class _Unpickled:
+    """Unpickling this creates ``payload-ran``: a config.pickle as --experimental-rerun reads it."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self) -> tuple:
+        return (open, (self.marker, "w"))
+
+
+def recorded_code(d: Path, small_checkpoint: Path) -> None:
+    """Files that name code which would create ``d/payload-ran`` (never loaded here: written
+    only): checkpoints recording a data class (os.system) and a model class (a .py file whose
+    import runs), and a pickle."""
+    import pickle
+
+    marker = d / "payload-ran"
+    (d / "evil.py").write_text(f"open({str(marker)!r}, 'w').close()\n\n\nclass Cls:\n    pass\n")
+    state = torch.load(small_checkpoint, map_location="cpu", weights_only=True)
+    state["config"]["data"].update(name="custom", target="os.system", args={"command": f"touch {marker}"})
+    torch.save(state, d / "records_data_class.pt")
+    state = torch.load(small_checkpoint, map_location="cpu", weights_only=True)
+    state["config"]["model"].update(name="custom", family="custom", target=f"{d / 'evil.py'}:Cls")
+    torch.save(state, d / "records_model_class.pt")
+    (d / "config.pickle").write_bytes(pickle.dumps(_Unpickled(marker)))

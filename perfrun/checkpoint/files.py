@@ -330,8 +330,9 @@ def check_compatible(ckpt: dict[str, Any], shape: dict[str, Any], config: dict[s
     what must match, not how it is split: 2 ranks x 4 continue as 1 process x 8, since the
     data order does not depend on the number of ranks (:class:`perfrun.data.ResumableSampler`).
     Returns the warnings for what is allowed but not exact."""
-    check_shape(ckpt, shape, path)
     saved = ckpt.get("config", {})
+    check_targets(saved, config, path)
+    check_shape(ckpt, shape, path)
     diff = [f"{k}={_dotted(saved, k)} vs {_dotted(config, k)}" for k in RESUME_KEYS
             if _dotted(saved, k) != _dotted(config, k)]
     if diff:
@@ -353,6 +354,28 @@ def check_compatible(ckpt: dict[str, Any], shape: dict[str, Any], config: dict[s
                 f"order is the same until the end of this epoch, whose last partial batch is cut at a multiple of "
                 f"{now_micro} sequences instead of {was_micro}, so later epochs see their samples shifted"]
     return []
+
+
+USER_CODE_KEYS = ("model.target", "data.target")  # the user's own classes (perfrun/user_code.py)
+
+
+def check_targets(saved: dict[str, Any], config: dict[str, Any], path: Path) -> None:
+    """Refuse a checkpoint whose recorded class (``model.target``, ``data.target``) is not
+    the one this run's command line names. The recorded one is never imported (no file names
+    code that runs); the line gives the override that would name it."""
+    for key in USER_CODE_KEYS:
+        was, now = _dotted(saved, key), _dotted(config, key)
+        if was is not None and was != now:
+            group = key.split(".")[0]
+            raise ConfigError(
+                f"resume={path} was made with {key}={was} and this run has {key}={_spelt_null(now)}; perfrun never "
+                f"imports a class that a file names: if that is your own class, give it on this command line: "
+                f"{group}=custom {key}={was}"
+            )
+
+
+def _spelt_null(value: Any) -> str:
+    return "null" if value is None else str(value)
 
 
 def check_shape(ckpt: dict[str, Any], shape: dict[str, Any], path: Path) -> None:

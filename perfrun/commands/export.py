@@ -41,6 +41,16 @@ class Int8ReportOptions:
 
 
 @dataclass
+class ExportDataConfig:
+    """The user's own code for ``format=int8-report`` of a ``data=custom`` checkpoint: typed
+    here, since a class a checkpoint records is never imported."""
+
+    target: str | None = field(default=None, metadata={
+        "help": "int8-report of a checkpoint trained on data=custom: your Dataset class (pkg.module.Class or "
+                "path/to/file.py:Class), built with the checkpoint's data.args to rebuild its val split"})
+
+
+@dataclass
 class ExportConfig:
     """What one ``perfrun export`` asks for; :meth:`validate` checks what the types cannot."""
 
@@ -54,6 +64,7 @@ class ExportConfig:
         "help": "onnx: the largest absolute logit difference onnxruntime vs PyTorch that is accepted"})
     opset: int = field(default=18, metadata={"help": "onnx: the opset version"})
     int8: Int8ReportOptions = field(default_factory=Int8ReportOptions)
+    data: ExportDataConfig = field(default_factory=ExportDataConfig)
 
     def validate(self) -> None:
         if not self.checkpoint:
@@ -82,7 +93,7 @@ def int8_report(cfg: ExportConfig) -> int:
     if out is not None and out.is_dir():
         raise ConfigError(f"out={out} is a folder; give the report's file name, such as out={out / 'int8-report.json'}")
     rep = measure(Path(cfg.checkpoint or "").expanduser(), val_batches=o.val_batches, batch_size=o.batch_size,
-                  gen_tokens=o.gen_tokens, include_head=o.include_head)
+                  gen_tokens=o.gen_tokens, include_head=o.include_head, data_target=cfg.data.target)
     if o.json:
         print(json.dumps({**asdict(rep), "loss_rel_diff": rep.loss_rel_diff}, indent=1))
     else:

@@ -31,6 +31,11 @@ from perfrun.console import composition_error, error, hydra_quoted
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
+# Hydra's only flag that reads a pickle: --experimental-rerun FILE unpickles a job's config.pickle,
+# and unpickling runs whatever the file names; no file perfrun reads may run code
+PICKLE_FLAG_REFUSED = ("--experimental-rerun {file}: Hydra would unpickle that file, and a pickle can run any code, so "
+                       "perfrun never reads one; run the job again from its overrides instead: perfrun {name} followed "
+                       "by the lines of its run dir's .hydra/overrides.yaml")
 KINDS = {int: "an integer", float: "a number", bool: "a boolean (true or false)"}
 EXAMPLES = {int: "1", float: "0.5", bool: "true"}
 
@@ -158,18 +163,18 @@ def run_hydra(name: str, args: list[str], task: Callable[[DictConfig], None]) ->
     of ``sys.argv``: Hydra parses its flags, answers ``--help``, ``--cfg``, ``--info`` and
     ``-sc`` itself, and calls ``task`` with each configuration it composes (once, or once per
     job of ``-m``). hydra.main's own runner (``hydra._internal.utils._run_hydra``, Hydra 1.3)
-    takes the parsed arguments; ``hydra.main`` reads them from ``sys.argv`` only."""
+    takes the parsed arguments; ``hydra.main`` reads them from ``sys.argv`` only. Hydra's
+    ``--experimental-rerun`` (a pickle read back) is refused in one line (exit 2)."""
     from hydra import version
     from hydra._internal.utils import _run_hydra, get_args_parser
-    from hydra.main import _get_rerun_conf
 
     version.setbase("1.3")
     parser = get_args_parser()
     parser.prog = "perfrun"  # argparse's own errors name the program the user ran
     parsed = parser.parse_args(args)
-    if parsed.experimental_rerun is not None:  # as hydra.main: the job again, from a saved config.pickle
-        task(_get_rerun_conf(parsed.experimental_rerun, parsed.overrides))
-        return
+    if parsed.experimental_rerun is not None:  # read as argparse reads it: an abbreviation (--exp) included
+        error(PICKLE_FLAG_REFUSED.format(name=name, file=parsed.experimental_rerun))
+        raise SystemExit(2)
     if parsed.help and parsed.config_dir is None:
         raise SystemExit(app_help(name, parsed, parser))
     _run_hydra(args=parsed, args_parser=parser, task_function=task, config_path=config_dir(), config_name=name)

@@ -17,8 +17,9 @@ the float one, so the model would stay correct but hold the matrix twice). perfr
 The report (``perfrun export checkpoint=PATH format=int8-report``) measures, on this
 machine: the serialized state dict's bytes, generation tokens/s (KV cache, greedy, after
 a warm-up), and the validation loss on the checkpoint's own val split, rebuilt with
-``perfrun.data.build_datasets`` from the checkpoint's config. Nothing is claimed that was
-not measured here.
+``perfrun.data.build_datasets`` from the checkpoint's config (with the class typed as
+``data.target=`` for ``data=custom``: a recorded one is never imported). Nothing is claimed
+that was not measured here.
 """
 
 from __future__ import annotations
@@ -132,23 +133,40 @@ class Int8Report:
         ]
 
 
-def val_dataset(config: dict[str, Any], block_size: int) -> Any:
-    """The checkpoint's own val split, rebuilt from its config: text the model did not train on."""
+def val_dataset(config: dict[str, Any], block_size: int, data_target: str | None = None,
+                checkpoint: Path | str = "the checkpoint") -> Any:
+    """The checkpoint's own val split, rebuilt from its config: text the model did not train on.
+
+    A recorded ``data.target`` is never imported: a file names no code that runs. A
+    checkpoint of ``data=custom`` is rebuilt with the class the user typed (``data_target``),
+    else refused naming the recorded class and the override that gives it. The token cache
+    is this machine's (``data.cache_dir`` of the record is another machine's folder)."""
+    from dataclasses import replace
+
     from perfrun.config import DataConfig, from_record
     from perfrun.data import build_datasets
 
     data_cfg = from_record(DataConfig, config.get("data") or {})
+    if data_cfg.name == "custom" and not data_target:
+        raise ConfigError(f"checkpoint={checkpoint} was trained on data=custom with data.target={data_cfg.target}; "
+                          "perfrun never imports a class that a file names: if that is your own Dataset class, give "
+                          f"it on this command line: data.target={data_cfg.target}")
+    if data_cfg.name != "custom" and data_target:
+        raise ConfigError(f"data.target={data_target} applies to a checkpoint trained on data=custom; checkpoint="
+                          f"{checkpoint} was trained on data={data_cfg.name}: drop data.target")
+    data_cfg = replace(data_cfg, target=data_target, cache_dir=None)
     seq_len = (config.get("data") or {}).get("seq_len") or block_size
     return build_datasets(data_cfg, int(seq_len), int(config.get("seed", 0))).val
 
 
 def int8_report(checkpoint: Path, *, val_batches: int = 4, batch_size: int = 4, gen_tokens: int = 64,
-                include_head: bool = False) -> Int8Report:
-    """Load the checkpoint twice (float, int8) and measure size, speed and val loss."""
+                include_head: bool = False, data_target: str | None = None) -> Int8Report:
+    """Load the checkpoint twice (float, int8) and measure size, speed and val loss;
+    ``data_target``: the user's Dataset class, typed, for a checkpoint of ``data=custom``."""
     flt = load_model(checkpoint, "cpu")
+    val = val_dataset(flt.config, flt.model.config.block_size, data_target, flt.path)
     q = load_model(checkpoint, "cpu")
     info = quantize_int8(q.model, include_head=include_head)
-    val = val_dataset(flt.config, flt.model.config.block_size)
     prompt = [int(t) for t in val[0][0][: max(1, flt.model.config.block_size // 4)]]
     n_gen = max(1, min(gen_tokens, flt.model.config.block_size - len(prompt)))
 

@@ -94,13 +94,14 @@ def _as_checkpoint_error(e: ConfigError, path: Path) -> ConfigError:
     return ConfigError(str(e).replace(f"resume={path}", f"checkpoint={path}"))
 
 
-def build_model(shape: dict[str, Any], config: dict[str, Any]) -> GPT | Llama:
+def build_model(shape: dict[str, Any], config: dict[str, Any], path: Path | str = "the checkpoint") -> GPT | Llama:
     """The model the checkpoint describes: its shape, and its family's fields from the model
     group it recorded (a checkpoint written before the Llama family is a GPT)."""
     mcfg = config.get("model", {}) or {}
-    if mcfg.get("family") == "custom":
-        raise ConfigError(f"the checkpoint holds a custom model ({mcfg.get('target')}); generate and export need a "
-                          "decoder LM perfrun builds (model=tiny, gpt2*, llama*): load your own model with your code")
+    if mcfg.get("family") == "custom":  # its class is never imported: no file names code that runs
+        raise ConfigError(f"checkpoint={path} holds a custom model (model.target={mcfg.get('target')}); perfrun never "
+                          "imports a class that a file names, and generate and export rebuild only the decoder LMs "
+                          "perfrun builds (model=tiny, gpt2*, llama*): load your own model with your own code")
     attention = str(config.get("attention", "sdpa"))
     if mcfg.get("family", "gpt") == "llama":
         m = OmegaConf.merge(OmegaConf.structured(ModelConfig), mcfg, {k: shape[k] for k in checkpoint.SHAPE_KEYS
@@ -137,7 +138,7 @@ def load_model(spec: Path, device: torch.device | str = "cpu") -> Loaded:
         raise ConfigError(f"checkpoint={path} has no model shape ({', '.join(missing)} missing); "
                           "it was written by an older perfrun, retrain or pick a newer checkpoint")
     config = ckpt.get("config") or {}
-    model = build_model(shape, config)
+    model = build_model(shape, config, path)
     try:
         checkpoint.load_model_weights(ckpt, model)
     except ConfigError as e:  # unreadable shards

@@ -35,14 +35,14 @@ from perfrun.ladder.verdict import against_reference, flat, recommend, verdict_l
 from perfrun.report.metrics_file import train_records
 from perfrun.report.noise import OUTLIER_RATIO, Effect, Spread, effect, outliers, spread
 from perfrun.report.reading import load
-from perfrun.report.rows import Report, Row, finite
+from perfrun.report.rows import HOW_RUN, Report, Row, finite
 from perfrun.summary import read_summary
 
 DEFAULT_LOSS_WINDOW = 0.2
 LOSS_FACTOR = 3.0
 LOSS_CEILING = 0.05
 #: keys a rung's configuration differs in that are not the knob (the line to paste leaves them out)
-NOT_KNOBS = ("ablation", "seed", "repeat")
+NOT_KNOBS = ("ablation", "seed", "repeat", *HOW_RUN)
 
 
 def train_losses(job: Path) -> dict[int, float]:

@@ -15,10 +15,12 @@ Rules (tests/test_verdict.py holds the code to them over generated sweeps):
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Callable
 from itertools import pairwise
 from typing import Any, Protocol
 
+from perfrun.console import hydra_quoted
 from perfrun.report.noise import Effect, Spread, effect
 from perfrun.report.rows import Row
 
@@ -52,7 +54,27 @@ def flat(node: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def _spelt(v: Any) -> str:
-    return "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
+    """``v`` as an override's value that composes back to it when the line is pasted: a
+    string the override grammar would not read back as itself (a space, a comma, a quote)
+    is quoted; ``true`` for a string key stays bare (the schema reads it as that option)."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return str(v).lower()
+    text = str(v)
+    return text if not isinstance(v, str) or _reads_back(text) else hydra_quoted(text)
+
+
+def _reads_back(text: str) -> bool:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        override = OverridesParser.create().parse_override(f"key={text}")
+    except Exception:  # noqa: BLE001 - any parse error: the value needs quoting
+        return False
+    value = override.value()
+    plain = value == text and "${" not in text  # an interpolation would be resolved, not kept
+    return not override.is_sweep_override() and (plain or not isinstance(value, str | list | dict))
 
 
 def _knob_keys(configs: list[dict[str, Any]]) -> list[str]:
@@ -63,11 +85,12 @@ def _knob_keys(configs: list[dict[str, Any]]) -> list[str]:
 
 def _line_to_paste(config: dict[str, Any], keys: list[str]) -> str:
     """``perfrun train KEY=VALUE ...``: the knobs where ``config`` differs from perfrun's
-    defaults, so that the line runs exactly the configuration that was measured."""
+    defaults, so that the line runs exactly the configuration that was measured; each word
+    quoted for the shell where it must be, as the line is pasted into one."""
     from perfrun.config import TrainConfig, as_dict
 
     defaults = flat(as_dict(TrainConfig()))  # the dataclasses' own defaults: no schema tree to build
-    changed = [f"{k}={_spelt(config.get(k))}" for k in keys if config.get(k) != defaults.get(k)]
+    changed = [shlex.quote(f"{k}={_spelt(config.get(k))}") for k in keys if config.get(k) != defaults.get(k)]
     return " ".join(["perfrun train", *changed])
 
 
@@ -167,9 +190,10 @@ def _has(config: dict[str, Any], rs: _Rungs, below: str, rung: str) -> bool:
 
 
 def verdict_line(rec: dict[str, Any], base_mem: float | None) -> str:
-    """The sweep's last line: what to run, and what it bought."""
+    """The sweep's last line: what to run, and what it bought; what follows the command is a
+    shell comment, so the line after ``verdict: `` runs as pasted."""
     if "measured_as" not in rec:
-        return f"verdict: {rec['line']} (defaults): {rec.get('why', '')}"
+        return f"verdict: {rec['line']}  # the defaults: {rec.get('why', '')}"  # after '  # ': a shell comment
     mem = f"{rec['peak_mem_mib']:,.0f} MiB" if rec.get("peak_mem_mib") is not None else "n/a"
     if base_mem and rec.get("peak_mem_mib") is not None:
         mem += f" ({rec['peak_mem_mib'] / base_mem:.2f}× the naive trainer's)"

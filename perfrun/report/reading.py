@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from perfrun.report.noise import Spread, clear_winner, effect, spread
-from perfrun.report.rows import Report, ReportError, Row, finite, override_key
+from perfrun.report.rows import Report, ReportError, Row, finite, how_run, override_key
 from perfrun.summary import SUMMARY_FILE, read_summary
 
 
@@ -139,9 +139,10 @@ def effective_value(job: Path, key: str) -> str | None:
 
 
 def swept_keys(rows: Sequence[Row]) -> list[str]:
-    """Override keys whose value is not the same in every row, in order of appearance."""
+    """Override keys whose value is not the same in every row, in order of appearance
+    (``resume`` and ``hydra.*`` left out: how a job was run, not what it measured)."""
     values: dict[str, set[str | None]] = {}
-    parsed = [dict(override_key(o) for o in r.overrides) for r in rows]
+    parsed = [{k: v for k, v in map(override_key, r.overrides) if not how_run(k)} for r in rows]
     for p in parsed:
         for k in p:
             values.setdefault(k, set())

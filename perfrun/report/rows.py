@@ -55,6 +55,16 @@ class Report:
     paths: dict[str, Path] = field(default_factory=dict)  # job label -> job dir (not serialised)
 
 
+#: keys that say how a job was run, not what it measured: never a swept key nor a knob of the verdict
+#: (a stopped sweep resumed with resume=auto would otherwise differ from its first jobs in them)
+HOW_RUN = ("resume", "hydra")
+
+
+def how_run(key: str) -> bool:
+    """Whether the dotted ``key`` is one of :data:`HOW_RUN` or under it (``hydra.sweep.dir``)."""
+    return key.split(".")[0] in HOW_RUN
+
+
 def override_key(override: str) -> tuple[str, str | None]:
     """``+ablation=bf16`` -> (``ablation``, ``bf16``); ``~key`` -> (``key``, None)."""
     key, sep, value = override.partition("=")
