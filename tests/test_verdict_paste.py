@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 
 from perfrun import report
-from perfrun.ladder.callback import resume_command
 from perfrun.commands.train import train_main
 from perfrun.commands.tune import kept_logging
+from perfrun.ladder.callback import resume_command
 from perfrun.ladder.verdict import verdict_line
 
 from conftest import TINY_MODEL
