@@ -1,0 +1,196 @@
+"""Which configuration ``perfrun report PATH --as TRAINER`` translates, and what perfrun
+measured each of its knobs to buy.
+
+For a run: its recorded configuration. For a ladder: the verdict's configuration (the rung it
+was measured as), or ``--rung NAME``'s. For a sweep without a ladder: its best job, where one
+beats the rest outside the noise. Everything is read from the jobs' summary.json as data;
+no recorded ``target`` is imported (:func:`perfrun.report.translations.check` refuses a value
+perfrun does not write).
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from perfrun.report.rows import Report, ReportError, Row, finite, override_key
+from perfrun.report.translations import ROWS, check
+from perfrun.report.verdict import CUDA_ONLY, flat
+from perfrun.summary import read_summary
+
+#: what a key of the verdict line is spelt with (perfrun report --as perfrun)
+NOT_KNOBS = ("ablation", "seed", "repeat", "hydra")
+
+
+@dataclass
+class Answer:
+    """A configuration to translate, where it comes from, and what its knobs bought."""
+
+    config: dict[str, Any]  # translations.check's keys
+    source: str  # what it is, in words
+    line: str  # the perfrun train line, each word quoted for a shell
+    effects: dict[str, str] = field(default_factory=dict)  # key -> what perfrun measured it to buy
+    headline: str | None = None  # the configuration's own figure against the naive trainer
+
+
+def answer(report: Report, given: str, rung: str | None) -> Answer:
+    """The configuration ``--as`` translates for the one directory ``given``."""
+    if report.ladders:
+        return _of_ladder(report, given, report.ladders[0], rung)
+    if rung is not None:
+        raise ReportError(f"--rung {rung}: {given} is not a ladder (perfrun train -m +sweep=ablation); drop --rung")
+    if len(report.rows) == 1:
+        row = report.rows[0]
+        return _of_job(report, row, f"the run {given}", _run_line(row))
+    best = next((r for r in report.rows if r.best), None)
+    if best is None:
+        raise ReportError(f"{given} is a sweep without a ladder and no job in it beats the others outside the noise; "
+                          f"give one job's dir (e.g. {Path(given) / report.rows[0].job})")
+    return _of_job(report, best, f"the best job ({best.job}) of the sweep {given}", _run_line(best))
+
+
+def _summary(report: Report, row: Row) -> dict[str, Any]:
+    try:
+        s = dict(read_summary(report.paths[row.job]))
+    except (OSError, ValueError) as e:
+        raise ReportError(f"{row.job}: summary.json cannot be read ({e}); give a run whose summary.json is intact") from e
+    if not isinstance(s.get("config"), dict):
+        raise ReportError(f"{row.job}: summary.json records no configuration; give a run written by perfrun train")
+    return s
+
+
+def _derived(s: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """What setup resolved and summary.json keeps beside the configuration: fused AdamW, the
+    device and the batch a batch_size=auto run found."""
+    env = s.get("environment") if isinstance(s.get("environment"), dict) else {}
+    device = str(env.get("device") or "cpu").split(":")[0]
+    fused = s.get("fused_adamw")
+    if not isinstance(fused, bool):  # older summaries: the configuration's choice
+        fused = config.get("optim.fused") == "true" or (config.get("optim.fused") == "auto" and device in ("cpu", "cuda"))
+    found = s.get("batch_size_auto") if isinstance(s.get("batch_size_auto"), dict) else {}
+    batch = found.get("batch_size") if found else config.get("dataloader.batch_size")
+    return {"fused_adamw": fused, "device_type": device, "batch_size": batch}
+
+
+def _checked(s: dict[str, Any], job: str) -> dict[str, Any]:
+    config = flat(s["config"])
+    try:
+        return check({**config, **_derived(s, config)})
+    except ValueError as e:
+        raise ReportError(f"{job}: summary.json's configuration has {e}; perfrun writes no such value, so this "
+                          "record was changed by hand or by something else: translate a run perfrun wrote") from e
+
+
+def _of_job(report: Report, row: Row, source: str, line: str) -> Answer:
+    s = _summary(report, row)
+    tps = s.get("tokens_per_s_median")
+    where = f" on {row.device_name}" if row.device_name else ""
+    headline = f"{tps:,.0f} tokens/s (the median of its steady steps){where}" if finite(tps) else None
+    return Answer(_checked(s, row.job), source, line, headline=headline)
+
+
+def _run_line(row: Row) -> str:
+    """The overrides the run was started with, quoted for a shell."""
+    words = [o for o in row.overrides if override_key(o)[0] not in ("repeat", "hydra") and not o.startswith("hydra.")]
+    return " ".join(["perfrun train", *map(shlex.quote, words)])
+
+
+def _rung_rows(report: Report, ladder: dict[str, Any]) -> dict[str, list[Row]]:
+    by: dict[str, list[Row]] = {}
+    for r in report.rows:
+        if r.root == ladder["root"] and r.ablation.get("rung"):
+            by.setdefault(str(r.ablation["rung"]), []).append(r)
+    return by
+
+
+def _of_ladder(report: Report, given: str, ladder: dict[str, Any], rung: str | None) -> Answer:
+    rec = ladder["recommended"]
+    by_rung = _rung_rows(report, ladder)
+    if rung is None:
+        if "measured_as" not in rec:
+            raise ReportError(f"{given}: the ladder recommends no measured configuration ({rec.get('why')}); "
+                              f"give --rung NAME, one of: {', '.join(by_rung)}")
+        rung = str(rec["measured_as"])
+    if rung not in by_rung:
+        raise ReportError(f"--rung {rung} is not a rung of {given}; its rungs: {', '.join(by_rung)}")
+    rows = [r for r in by_rung[rung] if r.status == "completed"] or by_rung[rung]
+    s = _summary(report, rows[0])
+    config = _checked(s, rows[0].job)
+    configs = {name: flat(_summary(report, rs[0])["config"]) for name, rs in by_rung.items()}
+    entries = {e["rung"]: e for part in ("ladder", "alternatives", "leave_one_out") for e in ladder[part]}
+    verdict = rung == rec.get("measured_as")
+    source = (f"the verdict of the ladder {given} (measured as its rung {rung})" if verdict
+              else f"the rung {rung} of the ladder {given}")
+    line = _quoted_line(configs[rung], rec["line"] if verdict else None, ladder.get("device"))
+    e = entries.get(rung)
+    headline = None
+    if e is not None and e.get("vs_baseline") is not None:
+        from perfrun.report.noise import Effect
+
+        speed = Effect(e["vs_baseline"], e["vs_baseline_noise_pct"], e["vs_baseline_measurable"],
+                       e.get("vs_baseline_single", False)).text()
+        headline = f"{speed} the naive trainer's tokens/s ({e['n']} run(s) of {rung})"
+    return Answer(config, source, line, _effects(ladder, configs), headline)
+
+
+def _quoted_line(config: dict[str, Any], verdict_line: str | None, device: str | None) -> str:
+    """``perfrun train KEY=VALUE ...``, every word quoted for a shell. The verdict's own keys
+    where it is the verdict; else the translated keys where the rung differs from perfrun's
+    defaults (the CUDA-only ones on CUDA alone), as the verdict line is spelt."""
+    from perfrun.config import TrainConfig, as_dict
+
+    if verdict_line is not None:
+        keys = [override_key(w)[0] for w in verdict_line.split()[2:]]
+    else:
+        defaults = flat(as_dict(TrainConfig()))
+        mapped = {row.key for row in ROWS} | {"precision.dtype", "loss.chunk_size", "nproc"}
+        keys = [k for k in config if k in mapped and config[k] != defaults.get(k)
+                and (device == "cuda" or k not in CUDA_ONLY)]
+    words = [f"{k}={_spelt(config.get(k))}" for k in keys if k.split(".")[0] not in NOT_KNOBS]
+    return " ".join(["perfrun train", *map(shlex.quote, words)])
+
+
+def _spelt(v: Any) -> str:
+    return "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
+
+
+def _effects(ladder: dict[str, Any], configs: dict[str, dict[str, Any]]) -> dict[str, str]:
+    """Per key: what each rung that changed it measured, against the rung below it (the
+    ladder, an alternative), the top without it (leave-one-out), and the memory trade-offs."""
+    out: dict[str, list[str]] = {}
+
+    def changed(rung: str, against: str | None) -> list[str]:
+        if against is None or rung not in configs or against not in configs:
+            return []
+        a, b = configs[rung], configs[against]
+        return [k for k in dict.fromkeys([*a, *b]) if a.get(k) != b.get(k) and k.split(".")[0] not in NOT_KNOBS]
+
+    below = None
+    applied = [e for e in ladder["ladder"] if e["applicable"]]
+    for e in applied:
+        if e["rung"] != "naive" and below is not None:
+            for k in changed(e["rung"], below):
+                out.setdefault(k, []).append(f"{e['verdict']} on the rung below (rung {e['rung']})")
+        below = e["rung"]
+    for e in ladder["alternatives"]:
+        base = max((x for x in applied if x["step"] < (e["step"] or 0)), key=lambda x: x["step"], default=None)
+        for k in changed(e["rung"], base["rung"] if base else None):
+            out.setdefault(k, []).append(f"{e['verdict']} on the rung below (rung {e['rung']}, in place of "
+                                         f"{e.get('knob')})")
+    top = ladder.get("top")
+    for e in ladder["leave_one_out"]:
+        if e["applicable"]:
+            for k in changed(e["rung"], top):
+                out.setdefault(k, []).append(f"the top rung without it: {e['verdict']} ({e['rung']})")
+    for t in ladder["tradeoffs"]:
+        if t.get("rung") and t.get("peak_mem_mib") is not None and t.get("rung") != top:
+            words = f"peak memory {t['peak_mem_mib']:,.0f} MiB"
+            if t.get("tokens_per_s") is not None:
+                words += f" at {t['tokens_per_s']:,.0f} tokens/s"
+            if t.get("largest_batch") is not None:
+                words += f"; largest batch {t['largest_batch']:g}"
+            for k in changed(t["rung"], top):
+                out.setdefault(k, []).append(f"{words} ({t['setting']}, a memory trade-off)")
+    return {k: "; ".join(v) for k, v in out.items()}
