@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from perfrun.report.rows import Report, ReportError, Row, finite, override_key
-from perfrun.report.translations import ROWS, check
+from perfrun.report.translations import ROWS, check, default
 from perfrun.report.verdict import CUDA_ONLY, flat
 from perfrun.summary import read_summary
 
@@ -68,9 +68,10 @@ def _derived(s: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
     device = str(env.get("device") or "cpu").split(":")[0]
     fused = s.get("fused_adamw")
     if not isinstance(fused, bool):  # older summaries: the configuration's choice
-        fused = config.get("optim.fused") == "true" or (config.get("optim.fused") == "auto" and device in ("cpu", "cuda"))
+        choice = config.get("optim.fused", default("optim.fused"))
+        fused = choice == "true" or (choice == "auto" and device in ("cpu", "cuda"))
     found = s.get("batch_size_auto") if isinstance(s.get("batch_size_auto"), dict) else {}
-    batch = found.get("batch_size") if found else config.get("dataloader.batch_size")
+    batch = found.get("batch_size") if found else config.get("dataloader.batch_size", default("dataloader.batch_size"))
     return {"fused_adamw": fused, "device_type": device, "batch_size": batch}
 
 
@@ -79,8 +80,8 @@ def _checked(s: dict[str, Any], job: str) -> dict[str, Any]:
     try:
         return check({**config, **_derived(s, config)})
     except ValueError as e:
-        raise ReportError(f"{job}: summary.json's configuration has {e}; perfrun writes no such value, so this "
-                          "record was changed by hand or by something else: translate a run perfrun wrote") from e
+        raise ReportError(f"{job}: summary.json's configuration has {e} (changed by hand or by another "
+                          "program); translate a run as perfrun wrote it") from e
 
 
 def _of_job(report: Report, row: Row, source: str, line: str) -> Answer:
@@ -132,7 +133,7 @@ def _of_ladder(report: Report, given: str, ladder: dict[str, Any], rung: str | N
         speed = Effect(e["vs_baseline"], e["vs_baseline_noise_pct"], e["vs_baseline_measurable"],
                        e.get("vs_baseline_single", False)).text()
         headline = f"{speed} the naive trainer's tokens/s ({e['n']} run(s) of {rung})"
-    return Answer(config, source, line, _effects(ladder, configs), headline)
+    return Answer(config, source, line, _effects(ladder, configs, rung), headline)
 
 
 def _quoted_line(config: dict[str, Any], verdict_line: str | None, device: str | None) -> str:
@@ -156,41 +157,42 @@ def _spelt(v: Any) -> str:
     return "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
 
 
-def _effects(ladder: dict[str, Any], configs: dict[str, dict[str, Any]]) -> dict[str, str]:
-    """Per key: what each rung that changed it measured, against the rung below it (the
-    ladder, an alternative), the top without it (leave-one-out), and the memory trade-offs."""
+def _effects(ladder: dict[str, Any], configs: dict[str, dict[str, Any]], chosen: str) -> dict[str, str]:
+    """Per key: what each rung that changed it measured, against the rung below it (the ladder,
+    an alternative), the top rung without it (leave-one-out), and the memory trade-offs. A rung
+    that set the key to another value than ``chosen``'s says which."""
     out: dict[str, list[str]] = {}
+    mine = configs[chosen]
 
-    def changed(rung: str, against: str | None) -> list[str]:
+    def add(rung: str, against: str | None, text: str, same: str = "rung {rung}") -> None:
         if against is None or rung not in configs or against not in configs:
-            return []
+            return
         a, b = configs[rung], configs[against]
-        return [k for k in dict.fromkeys([*a, *b]) if a.get(k) != b.get(k) and k.split(".")[0] not in NOT_KNOBS]
+        for k in dict.fromkeys([*a, *b]):
+            if a.get(k) != b.get(k) and k.split(".")[0] not in NOT_KNOBS:
+                where = same.format(rung=rung) if a.get(k) == mine.get(k) else f"{k}={_spelt(a.get(k))} (rung {rung})"
+                out.setdefault(k, []).append(text.format(where=where))
 
     below = None
     applied = [e for e in ladder["ladder"] if e["applicable"]]
     for e in applied:
-        if e["rung"] != "naive" and below is not None:
-            for k in changed(e["rung"], below):
-                out.setdefault(k, []).append(f"{e['verdict']} on the rung below (rung {e['rung']})")
+        if e["rung"] != "naive":
+            add(e["rung"], below, f"{{where}}: {e['verdict']} on the rung below")
         below = e["rung"]
     for e in ladder["alternatives"]:
         base = max((x for x in applied if x["step"] < (e["step"] or 0)), key=lambda x: x["step"], default=None)
-        for k in changed(e["rung"], base["rung"] if base else None):
-            out.setdefault(k, []).append(f"{e['verdict']} on the rung below (rung {e['rung']}, in place of "
-                                         f"{e.get('knob')})")
+        add(e["rung"], base["rung"] if base else None, f"{{where}}, in place of {e.get('knob')}: {e['verdict']} "
+            "on the rung below")
     top = ladder.get("top")
     for e in ladder["leave_one_out"]:
         if e["applicable"]:
-            for k in changed(e["rung"], top):
-                out.setdefault(k, []).append(f"the top rung without it: {e['verdict']} ({e['rung']})")
+            add(e["rung"], top, f"the top rung with {{where}}: {e['verdict']}", "this value (rung {rung})")
     for t in ladder["tradeoffs"]:
         if t.get("rung") and t.get("peak_mem_mib") is not None and t.get("rung") != top:
             words = f"peak memory {t['peak_mem_mib']:,.0f} MiB"
             if t.get("tokens_per_s") is not None:
                 words += f" at {t['tokens_per_s']:,.0f} tokens/s"
             if t.get("largest_batch") is not None:
-                words += f"; largest batch {t['largest_batch']:g}"
-            for k in changed(t["rung"], top):
-                out.setdefault(k, []).append(f"{words} ({t['setting']}, a memory trade-off)")
+                words += f", largest batch {t['largest_batch']:g}"
+            add(t["rung"], top, f"the top rung with {{where}}, a memory trade-off: {words}", "this value (rung {rung})")
     return {k: "; ".join(v) for k, v in out.items()}

@@ -18,6 +18,7 @@ it is written into code, and strings reach code only through ``repr``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -470,10 +471,16 @@ ROWS: tuple[Translation, ...] = (
 # --------------------------------------------------------------------------- the recorded values, checked
 
 
+@functools.cache
 def _defaults() -> dict[str, Any]:
     from perfrun.report.verdict import flat
 
     return flat(as_dict(TrainConfig()))
+
+
+def default(key: str) -> Any:
+    """perfrun's default for ``key`` (None where it has none): what a record lacking it ran with."""
+    return _defaults().get(key)
 
 
 #: keys read beside the rows' own: what setup resolved (fused AdamW, the device, the batch)
@@ -494,12 +501,12 @@ def check(config: Mapping[str, Any]) -> dict[str, Any]:
     for key in dict.fromkeys(k for row in ROWS for k in _keys_read(row.key)):
         value = config.get(key, defaults.get(key))
         if not _fits(key, value, defaults.get(key)):
-            raise ValueError(f"{key}={value!r} is not a value perfrun writes there")
+            raise ValueError(f"{key}={value!r}, not a value perfrun writes there")
         out[key] = value
     for key, kinds in DERIVED.items():
         value = config.get(key)
         if not (value in kinds if isinstance(kinds[0], str) else _is_a(value, kinds)):
-            raise ValueError(f"{key}={value!r} is not a value perfrun writes there")
+            raise ValueError(f"{key}={value!r}, not a value perfrun writes there")
         out[key] = value
     return out
 
