@@ -35,10 +35,11 @@ class Answer:
     headline: str | None = None  # the configuration's own figure against the naive trainer
 
 
-def answer(report: Report, given: str, rung: str | None) -> Answer:
-    """The configuration ``--as`` translates for the one directory ``given``."""
-    if report.ladders:
-        return _of_ladder(report, given, report.ladders[0], rung)
+def answer(report: Report, given: str, rung: str | None = None, ladder: dict[str, Any] | None = None) -> Answer:
+    """The configuration ``--as`` translates for the directory ``given``: ``ladder``'s (the
+    report's first where None) where it holds one, else its run or best job."""
+    if ladder is not None or report.ladders:
+        return _of_ladder(report, given, ladder or report.ladders[0], rung)
     if rung is not None:
         raise ReportError(f"--rung {rung}: {given} is not a ladder (perfrun train -m +sweep=ablation); drop --rung")
     if len(report.rows) == 1:

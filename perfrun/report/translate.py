@@ -12,11 +12,14 @@ named in a closing comment. Values reach the code through ``repr`` of values
 
 from __future__ import annotations
 
+import os
 import textwrap
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from perfrun.report.answer import Answer
+from perfrun.report.answer import Answer, answer
+from perfrun.report.rows import Report, ReportError
 from perfrun.report.translations import ROWS, TRAINERS, Arg, Expr, Missing
 
 AS_CHOICES = (*TRAINERS, "perfrun")
@@ -85,6 +88,7 @@ class _Parts:
         blocks = self.code.get(name, [])
         plain = [ln for b in blocks if not _defines(b) for ln in b]
         defs = [ln for b in blocks if _defines(b) for ln in ["", "", *b]]
+        defs += ["", ""] if defs else []
         return [f"{indent}{'# ' if commented and not ln.startswith('#') else ''}{ln}" if ln else ""
                 for ln in [*plain, *defs]]
 
@@ -239,3 +243,47 @@ RENDER: dict[str, Callable[[Answer, str], str]] = {"hf": to_hf, "lightning": to_
 def translate(a: Answer, trainer: str, command: str) -> str:
     """The answer in ``trainer``'s words (one of AS_CHOICES); ``command`` heads it."""
     return RENDER[trainer](a, command)
+
+
+def arguments(a: Answer, trainer: str) -> dict[str, dict[str, Any]]:
+    """The keyword arguments the translation passes, by target (TrainingArguments, Trainer,
+    AdamW, ...): what the tests build the real objects from."""
+    return {target: {name: value for name, (value, _) in args.items()}
+            for target, args in _Parts(trainer, a).args.items()}
+
+
+def as_hint(where: str, run: bool = False) -> str:
+    """The line that says where the answer in another trainer's words is."""
+    choices = "|".join(AS_CHOICES if run else TRAINERS)
+    return f"in your trainer's words: perfrun report {where} --as {choices}"
+
+
+@dataclass
+class Spoken:
+    """One configuration of a report in every trainer's words, or why it cannot be."""
+
+    title: str
+    texts: dict[str, str]  # trainer -> code
+    why_not: str | None = None
+
+
+def spoken(report: Report) -> list[Spoken]:
+    """What the HTML report shows: each ladder's verdict, or the single run, as code for each
+    trainer (the answer() of ``perfrun report DIR --as``)."""
+    targets: list[tuple[str, dict[str, Any] | None]] = [(a["root"] or where(report), a) for a in report.ladders]
+    if not report.ladders and len(report.rows) == 1:
+        targets = [(where(report), None)]
+    out = []
+    for given, ladder in targets:
+        try:
+            a = answer(report, given, None, ladder)
+        except ReportError as e:
+            out.append(Spoken(given, {}, str(e)))
+            continue
+        out.append(Spoken(a.source, {t: translate(a, t, f"perfrun report {given} --as {t}") for t in TRAINERS}))
+    return out
+
+
+def where(report: Report) -> str:
+    """The directory a one-root report is of: its jobs' common folder."""
+    return os.path.commonpath([str(p) for p in report.paths.values()]) if report.paths else "."

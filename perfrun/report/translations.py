@@ -387,9 +387,10 @@ ROWS: tuple[Translation, ...] = (
     ),
     Translation(
         "dataloader.pin_memory",
-        hf=(Arg("TrainingArguments", "dataloader_pin_memory", _v("dataloader.pin_memory")),),
-        lightning=(Arg("DataLoader", "pin_memory", _v("dataloader.pin_memory")),),
-        torch=(Arg("DataLoader", "pin_memory", _v("dataloader.pin_memory")),),
+        # pinned memory acts on CUDA alone (perfrun's too): a CPU run's translation leaves it out
+        hf=(Arg("TrainingArguments", "dataloader_pin_memory", _v("dataloader.pin_memory"), when=_cuda),),
+        lightning=(Arg("DataLoader", "pin_memory", _v("dataloader.pin_memory"), when=_cuda),),
+        torch=(Arg("DataLoader", "pin_memory", _v("dataloader.pin_memory"), when=_cuda),),
         on=lambda c: bool(c.get("dataloader.pin_memory")) and _cuda(c),
     ),
     Translation(
