@@ -23,8 +23,9 @@ import torch.nn.functional as F
 from perfrun.commands import report as report_command
 from perfrun.report import load, render_text, to_html
 from perfrun.report.answer import Answer
+from perfrun.report.recorded import check
 from perfrun.report.translate import arguments
-from perfrun.report.translations import ROWS, TARGETS, Arg, Expr, check
+from perfrun.report.translations import ROWS, TARGETS, Arg, Expr
 
 from conftest import make_cfg
 

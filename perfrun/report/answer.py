@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from perfrun.report.recorded import check, default
 from perfrun.report.rows import Report, ReportError, Row, finite, override_key
-from perfrun.report.translations import ROWS, check, default
+from perfrun.report.translations import ROWS
 from perfrun.report.verdict import CUDA_ONLY, flat
 from perfrun.summary import read_summary
 

@@ -13,6 +13,7 @@ named in a closing comment. Values reach the code through ``repr`` of values
 from __future__ import annotations
 
 import os
+import re
 import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -242,7 +243,7 @@ RENDER: dict[str, Callable[[Answer, str], str]] = {"hf": to_hf, "lightning": to_
 
 def translate(a: Answer, trainer: str, command: str) -> str:
     """The answer in ``trainer``'s words (one of AS_CHOICES); ``command`` heads it."""
-    return RENDER[trainer](a, command)
+    return re.sub(r"\n{4,}", "\n\n\n", RENDER[trainer](a, command))  # at most two blank lines, as PEP 8 has them
 
 
 def arguments(a: Answer, trainer: str) -> dict[str, dict[str, Any]]:
