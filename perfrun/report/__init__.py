@@ -12,6 +12,9 @@ reproduces the table, CSV and JSON the sweep wrote, byte for byte.
 - :mod:`~perfrun.report.render`: rich, CSV, JSON, HTML and Markdown
 - :mod:`~perfrun.report.plot`: tokens/s against each swept key (matplotlib)
 - :mod:`~perfrun.report.sweep_summary`: the files a sweep leaves when it ends
+- :mod:`~perfrun.report.translations`: each key in Hugging Face's, Lightning's and PyTorch's words, as data;
+  :mod:`~perfrun.report.answer` picks the configuration (a run, a verdict, a rung), :mod:`~perfrun.report.recorded`
+  checks it, :mod:`~perfrun.report.translate` prints it (``perfrun report PATH --as``)
 - :mod:`~perfrun.commands.report`: ``perfrun report`` (argparse: it takes paths and flags)
 """
 

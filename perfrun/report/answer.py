@@ -17,11 +17,10 @@ from typing import Any
 
 from perfrun.report.recorded import check, default
 from perfrun.report.rows import Report, ReportError, Row, finite, override_key
-from perfrun.report.translations import ROWS
 from perfrun.report.verdict import CUDA_ONLY, flat
 from perfrun.summary import read_summary
 
-#: what a key of the verdict line is spelt with (perfrun report --as perfrun)
+#: configuration keys that are no knob: left out of the perfrun train line and of the figures
 NOT_KNOBS = ("ablation", "seed", "repeat", "hydra")
 
 
@@ -126,7 +125,7 @@ def _of_ladder(report: Report, given: str, ladder: dict[str, Any], rung: str | N
     verdict = rung == rec.get("measured_as")
     source = (f"the verdict of the ladder {given} (measured as its rung {rung})" if verdict
               else f"the rung {rung} of the ladder {given}")
-    line = _quoted_line(configs[rung], rec["line"] if verdict else None, ladder.get("device"))
+    line = _quoted_line(configs[rung], _line_keys(rung, configs, rec["line"] if verdict else None, ladder.get("device")))
     e = entries.get(rung)
     headline = None
     if e is not None and e.get("vs_baseline") is not None:
@@ -138,24 +137,34 @@ def _of_ladder(report: Report, given: str, ladder: dict[str, Any], rung: str | N
     return Answer(config, source, line, _effects(ladder, configs, rung), headline)
 
 
-def _quoted_line(config: dict[str, Any], verdict_line: str | None, device: str | None) -> str:
-    """``perfrun train KEY=VALUE ...``, every word quoted for a shell. The verdict's own keys
-    where it is the verdict; else the translated keys where the rung differs from perfrun's
-    defaults (the CUDA-only ones on CUDA alone), as the verdict line is spelt."""
-    from perfrun.config import TrainConfig, as_dict
-
-    if verdict_line is not None:
-        keys = [override_key(w)[0] for w in verdict_line.split()[2:]]
-    else:
-        defaults = flat(as_dict(TrainConfig()))
-        mapped = {row.key for row in ROWS} | {"precision.dtype", "loss.chunk_size", "nproc"}
-        keys = [k for k in config if k in mapped and config[k] != defaults.get(k)
-                and (device == "cuda" or k not in CUDA_ONLY)]
-    words = [f"{k}={_spelt(config.get(k))}" for k in keys if k.split(".")[0] not in NOT_KNOBS]
+def _quoted_line(config: dict[str, Any], keys: list[str]) -> str:
+    """``perfrun train KEY=VALUE ...`` for ``keys``, every word quoted for a shell."""
+    words = [f"{k}={spelt(config.get(k))}" for k in keys if k.split(".")[0] not in NOT_KNOBS]
     return " ".join(["perfrun train", *map(shlex.quote, words)])
 
 
-def _spelt(v: Any) -> str:
+def _line_keys(rung: str, configs: dict[str, dict[str, Any]], verdict_line: str | None, device: str | None) -> list[str]:
+    """The keys of a rung's perfrun train line: the verdict's own where it is the verdict; else,
+    as the verdict line chooses them, the keys the ladder's rungs differ in where this rung
+    differs from perfrun's defaults (the CUDA-only ones on CUDA alone)."""
+    from perfrun.config import TrainConfig, as_dict
+
+    config = configs[rung]
+    if verdict_line is not None:
+        return [k for k in (override_key(w)[0] for w in verdict_line.split()[2:] if "=" in w) if k in config]
+    defaults = flat(as_dict(TrainConfig()))
+    varying = [k for k in dict.fromkeys(k for c in configs.values() for k in c)
+               if len({repr(c.get(k)) for c in configs.values()}) > 1]
+    return [k for k in varying if config.get(k) != defaults.get(k) and (device == "cuda" or k not in CUDA_ONLY)]
+
+
+def _against_below(e: dict[str, Any]) -> str:
+    """A rung's verdict, said against the rung below where it is an effect (not where it was not ranked)."""
+    return f"{e['verdict']} on the rung below" if e.get("vs_below") is not None else e["verdict"]
+
+
+def spelt(v: Any) -> str:
+    """A value as an override spells it: true, null, 8, bf16."""
     return "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
 
 
@@ -172,19 +181,18 @@ def _effects(ladder: dict[str, Any], configs: dict[str, dict[str, Any]], chosen:
         a, b = configs[rung], configs[against]
         for k in dict.fromkeys([*a, *b]):
             if a.get(k) != b.get(k) and k.split(".")[0] not in NOT_KNOBS:
-                where = same.format(rung=rung) if a.get(k) == mine.get(k) else f"{k}={_spelt(a.get(k))} (rung {rung})"
+                where = same.format(rung=rung) if a.get(k) == mine.get(k) else f"{k}={spelt(a.get(k))} (rung {rung})"
                 out.setdefault(k, []).append(text.format(where=where))
 
     below = None
     applied = [e for e in ladder["ladder"] if e["applicable"]]
     for e in applied:
         if e["rung"] != "naive":
-            add(e["rung"], below, f"{{where}}: {e['verdict']} on the rung below")
+            add(e["rung"], below, f"{{where}}: {_against_below(e)}")
         below = e["rung"]
     for e in ladder["alternatives"]:
         base = max((x for x in applied if x["step"] < (e["step"] or 0)), key=lambda x: x["step"], default=None)
-        add(e["rung"], base["rung"] if base else None, f"{{where}}, in place of {e.get('knob')}: {e['verdict']} "
-            "on the rung below")
+        add(e["rung"], base["rung"] if base else None, f"{{where}}, in place of {e.get('knob')}: {_against_below(e)}")
     top = ladder.get("top")
     for e in ladder["leave_one_out"]:
         if e["applicable"]:

@@ -7,7 +7,7 @@ them into a script that runs as printed (the parts that need your model or data 
 comments or functions that take them). Each argument is preceded by the perfrun key it
 stands for and what perfrun measured that knob to buy; a knob the trainer has no form of is
 named in a closing comment. Values reach the code through ``repr`` of values
-:func:`perfrun.report.translations.check` let through; comments are cut to one printable line.
+:func:`perfrun.report.recorded.check` let through; comments are cut to one printable line.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from perfrun.report.answer import Answer, answer
+from perfrun.report.answer import Answer, answer, spelt
 from perfrun.report.rows import Report, ReportError
 from perfrun.report.translations import ROWS, TRAINERS, Arg, Expr, Missing
 
@@ -54,7 +54,7 @@ class _Parts:
         c = a.config
         for row in ROWS:
             shown = _shown(row.key, c)
-            value = f"{row.key}={_spelt(c.get(row.key) if shown is None else shown)}"
+            value = f"{row.key}={spelt(c.get(row.key) if shown is None else shown)}"
             measured = a.effects.get(row.key)
             said: set[str] = set()  # where this row's key and figure were said already
             for form in row.forms(trainer):
@@ -116,10 +116,6 @@ def _shown(key: str, c: dict[str, Any]) -> Any:
     """The value a row stands for where its key is one setup resolved (the batch, the device)."""
     return {"dataloader.batch_size": c.get("batch_size"), "device": c.get("device_type"),
             "optim.fused": c.get("fused_adamw")}.get(key)
-
-
-def _spelt(v: Any) -> str:
-    return "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
 
 
 def _head(a: Answer, trainer: str, command: str) -> list[str]:
