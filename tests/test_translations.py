@@ -24,7 +24,7 @@ from perfrun.commands import report as report_command
 from perfrun.report import load, render_text, to_html
 from perfrun.report.answer import Answer
 from perfrun.report.recorded import check
-from perfrun.report.translate import arguments
+from perfrun.report.translate import arguments, translate
 from perfrun.report.translations import ROWS, TARGETS, Arg, Expr
 
 from conftest import make_cfg
@@ -99,6 +99,28 @@ VARIANTS = {  # between them, every row's forms are on in one and off in another
     "fp8 and ddp": {"precision.name": "fp8", "distributed": "ddp", "nproc": 2, "dataloader.pin_memory": False},
     "cuda": {"precision.name": "bf16", "precision.tf32": True, "device_type": "cuda", "dataloader.device_input": True},
 }
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_translation_is_python_and_the_loop_sets_up(variant: str) -> None:
+    """Each configuration's three translations parse; the loop's runs and sets up a model on the
+    CPU (its blocks compiled one by one, the chunked loss defined, fp8 left to a GPU)."""
+    a = Answer(_config(**VARIANTS[variant]), "a test", "perfrun train")
+    for trainer in ("hf", "lightning"):
+        ast.parse(translate(a, trainer, f"--as {trainer}"))
+    space: dict[str, Any] = {}
+    exec(compile(translate(a, "torch", "--as torch"), "loop.py", "exec"), space)
+    if a.config["precision.name"] == "fp8" or a.config["device_type"] == "cuda":
+        return  # torchao's float8 training and the CUDA device are for a GPU
+    net = _tiny_transformer()
+    model, optimizer, _, scaler, loader = space["setup"](net, [(torch.zeros(4, dtype=torch.long),) * 2] * 8)
+    assert scaler.is_enabled() == (a.config["precision.name"] == "fp16")
+    assert loader.num_workers == a.config["dataloader.num_workers"]
+    if a.config["loss.name"] == "chunked":
+        hidden, weight = torch.randn(2, 4, 16), torch.randn(32, 16)
+        targets = torch.randint(0, 32, (2, 4))
+        assert torch.allclose(space["lm_loss"](hidden, weight, targets),
+                              F.cross_entropy((hidden @ weight.t()).flatten(0, 1), targets.flatten()), atol=1e-5)
 
 
 def _read_back(obj: Any, name: str) -> Any:
