@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from perfrun.report.noise import Effect
 from perfrun.report.recorded import check, default
 from perfrun.report.rows import Report, ReportError, Row, finite, override_key
 from perfrun.report.verdict import CUDA_ONLY, flat
@@ -120,7 +121,8 @@ def _of_ladder(report: Report, given: str, ladder: dict[str, Any], rung: str | N
     rows = [r for r in by_rung[rung] if r.status == "completed"] or by_rung[rung]
     s = _summary(report, rows[0])
     config = _checked(s, rows[0].job)
-    configs = {name: flat(_summary(report, rs[0])["config"]) for name, rs in by_rung.items()}
+    configs = {name: c for name, rs in by_rung.items() if (c := _first_config(report, rs)) is not None}
+    configs[rung] = flat(s["config"])
     entries = {e["rung"]: e for part in ("ladder", "alternatives", "leave_one_out") for e in ladder[part]}
     verdict = rung == rec.get("measured_as")
     source = (f"the verdict of the ladder {given} (measured as its rung {rung})" if verdict
@@ -129,12 +131,21 @@ def _of_ladder(report: Report, given: str, ladder: dict[str, Any], rung: str | N
     e = entries.get(rung)
     headline = None
     if e is not None and e.get("vs_baseline") is not None:
-        from perfrun.report.noise import Effect
-
         speed = Effect(e["vs_baseline"], e["vs_baseline_noise_pct"], e["vs_baseline_measurable"],
                        e.get("vs_baseline_single", False)).text()
         headline = f"{speed} the naive trainer's tokens/s ({e['n']} run(s) of {rung})"
     return Answer(config, source, line, _effects(ladder, configs, rung), headline)
+
+
+def _first_config(report: Report, rows: list[Row]) -> dict[str, Any] | None:
+    """A rung's configuration from the first of its jobs whose summary.json can be read (a
+    killed job's missing file leaves the figures of the others standing)."""
+    for row in rows:
+        try:
+            return flat(_summary(report, row)["config"])
+        except ReportError:
+            continue
+    return None
 
 
 def _quoted_line(config: dict[str, Any], keys: list[str]) -> str:
