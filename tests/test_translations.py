@@ -345,6 +345,10 @@ def test_the_report_and_its_html_point_to_the_translations(tmp_path: Path) -> No
     page = to_html(r, None)
     assert page.count("<details>") == 3
     assert "args = TrainingArguments(" in page and "trainer = lightning.Trainer(" in page and "def setup(model" in page
+    run = _run_dir(tmp_path / "one")  # a single run: its report says so too, --as perfrun included
+    one = load([run])
+    assert f"in your trainer's words: perfrun report {run} --as hf|lightning|torch|perfrun" in render_text(one, 200)
+    assert to_html(one, None).count("<details>") == 3
 
 
 @pytest.mark.parametrize("argv, says", [
