@@ -14,6 +14,7 @@ from perfrun.ladder.plot import report_figure
 from perfrun.report.plot import plot_or_warn
 from perfrun.report.render import print_report, to_csv, to_html, to_json, to_markdown
 from perfrun.report.rows import Report, ReportError
+from perfrun.report.spoken import AS_CHOICES
 
 #: a single run's plot (loss and tokens/s over the steps), written into its run dir
 RUN_PNG = "report.png"
@@ -32,6 +33,7 @@ def _parser() -> argparse.ArgumentParser:
                "  perfrun report outputs/multirun/A outputs/multirun/B --html compare.html\n"
                "  perfrun report outputs/multirun/A --csv > runs.csv\n"
                "  perfrun report outputs/2025-01-01/12-00-00   (one run: its table and RUN_DIR/report.png)\n"
+               "  perfrun report outputs/multirun/A --as hf   (the verdict as TrainingArguments; lightning, torch, perfrun)\n"
                "A key one run set and another left at its default shows the default's value, read\n"
                "from that run's configuration; a column with no figure in any row is left out.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -42,6 +44,11 @@ def _parser() -> argparse.ArgumentParser:
     fmt.add_argument("--json", action="store_true", help="print JSON to stdout instead of the table")
     fmt.add_argument("--markdown", action="store_true",
                      help="print Markdown tables (machine named) to stdout, e.g. for a README")
+    fmt.add_argument("--as", dest="as_", choices=AS_CHOICES, metavar="{" + ",".join(AS_CHOICES) + "}",
+                     help="print the configuration (a run's; a ladder's verdict, or --rung's; a sweep's best job) as "
+                          "Python for Hugging Face's Trainer, Lightning or a plain PyTorch loop, or as the perfrun "
+                          "train line; each knob with what perfrun measured it to buy (docs/translations.md)")
+    p.add_argument("--rung", metavar="NAME", help="with --as on a ladder: this rung's configuration, not the verdict's")
     p.add_argument("--html", metavar="FILE", help="also write a static HTML page (table and embedded plot)")
     p.add_argument("--plot", metavar="FILE",
                    help="also write the PNG plot: tokens/s against each swept key, the ladder, or for a single run its "
@@ -57,10 +64,14 @@ def main(argv: list[str]) -> int:
         args = _parser().parse_intermixed_args(argv)
         if not 0 < args.loss_window <= 1:
             raise ReportError(f"--loss-window {args.loss_window} must be in (0, 1], e.g. 0.2 for the last 20%")
+        _check_as(args)
         report = read_sweep(args.paths, loss_window=args.loss_window)
         if report.rows and all(r.status == "unreadable" for r in report.rows):
             raise ReportError("; ".join(f"{r.job}: {r.reason}" for r in report.rows)
                               + ": nothing to report; give a run or sweep dir whose summary.json is intact")
+        if args.as_:
+            sys.stdout.write(_translated(args, report))
+            return 0
         written = _write_files(args, report)
     except ReportError as e:
         error(f"report: {e}")
@@ -84,6 +95,25 @@ def main(argv: list[str]) -> int:
     return 0
 
 
+def _check_as(args: argparse.Namespace) -> None:
+    """--as prints one configuration as code and nothing else; --rung only picks it."""
+    if args.rung is not None and not args.as_:
+        raise ReportError(f"--rung {args.rung} picks the configuration --as translates; add --as hf, lightning, "
+                          "torch or perfrun")
+    if args.as_ and len(args.paths) > 1:
+        raise ReportError(f"--as translates one run or sweep, and {len(args.paths)} paths were given; give one")
+    if args.as_ and (args.html or args.plot):
+        raise ReportError("--as prints code and writes no file; drop --html and --plot, or run them without --as")
+
+
+def _translated(args: argparse.Namespace, report: Report) -> str:
+    from perfrun.ladder.answer import answer
+    from perfrun.ladder.translate import translate
+
+    command = f"perfrun report {args.paths[0]} --as {args.as_}" + (f" --rung {args.rung}" if args.rung else "")
+    return translate(answer(report, args.paths[0], args.rung), args.as_, command)
+
+
 def _write_files(args: argparse.Namespace, report: Report) -> list[Path]:
     """The plot and HTML page asked for, and for a single run its plot beside it (RUN_PNG)
     when no --plot names another place; returns the paths written."""
@@ -100,6 +130,9 @@ def _write_files(args: argparse.Namespace, report: Report) -> list[Path]:
                 raise
             warn(f"report: no plot written: cannot write {plot}: {e.strerror}; give --plot FILE to write it elsewhere")
     if args.html:
+        from perfrun.ladder.translate import spoken
+
+        report.spoken = spoken(report)
         atomic_write(Path(args.html), to_html(report, png))
         written.append(Path(args.html))
     return written

@@ -10,6 +10,9 @@ reproduces the table, CSV and JSON the sweep wrote, byte for byte.
 - :mod:`~perfrun.report.columns`: each column defined once, for every format
 - :mod:`~perfrun.report.render`: rich, CSV, JSON, HTML and Markdown
 - :mod:`~perfrun.report.plot`: tokens/s against each swept key (matplotlib)
+- :mod:`~perfrun.ladder.translations`: each key in Hugging Face's, Lightning's and PyTorch's words, as data;
+  :mod:`~perfrun.ladder.answer` picks the configuration (a run, a verdict, a rung), :mod:`~perfrun.ladder.recorded`
+  checks it, :mod:`~perfrun.ladder.translate` prints it (``perfrun report PATH --as``)
 - :mod:`~perfrun.commands.report`: ``perfrun report`` (argparse: it takes paths and flags)
 
 A ladder's maths, verdict and plots, and the files a sweep leaves, are :mod:`perfrun.ladder`'s:

@@ -36,6 +36,8 @@ from perfrun.report.columns import (
 )
 from perfrun.report.plot import PLOT_HINT
 from perfrun.report.rows import Report, Row
+from perfrun.report.spoken import TRAINER_NAMES, as_hint
+from perfrun.report.spoken import where as translated_dir
 
 Mark = Callable[[Any], "str | None"]
 RICH_STYLES = {"best": "bold green", "bad": "red", "flagged": "bold red"}
@@ -225,6 +227,10 @@ def notes(report: Report) -> list[str]:
         where = f" ({a['root']})" if a["root"] else ""
         lines += [f"ladder{where}: {n}" for n in a["notes"]]
         lines.append(a["verdict"])
+        if "measured_as" in a["recommended"]:
+            lines.append(as_hint(a["root"] or translated_dir(report)))
+    if not report.ladders and len(report.rows) == 1 and report.rows[0].status == "completed":
+        lines.append(as_hint(translated_dir(report), run=True))
     return lines
 
 
@@ -261,7 +267,8 @@ HTML_HEAD = (
     "body{font-family:system-ui,sans-serif;margin:2em}table{border-collapse:collapse;margin:1em 0}"
     "td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}.l{text-align:left}"
     "tr.best{background:#e6ffe6;font-weight:bold}tr.bad{color:#b00}caption{caption-side:bottom;text-align:left;"
-    "color:#555;font-size:90%}.head{color:#333;font-family:monospace}img{max-width:100%}\n"
+    "color:#555;font-size:90%}.head{color:#333;font-family:monospace}img{max-width:100%}"
+    "pre{background:#f6f6f6;padding:8px;overflow-x:auto}summary{cursor:pointer;margin:4px 0}\n"
     "</style></head><body><h1>perfrun report</h1>"
 )
 
@@ -276,6 +283,7 @@ def to_html(report: Report, png: bytes | None) -> str:
     extra = notes(report)
     if extra:
         parts.append("<ul>" + "".join(f"<li>{html.escape(n)}</li>" for n in extra) + "</ul>")
+    parts += _translations_html(report)
     if png is not None:
         parts.append("<img alt='tokens/s against each swept key' src='data:image/png;base64,"
                      + base64.b64encode(png).decode() + "'>")
@@ -283,6 +291,21 @@ def to_html(report: Report, png: bytes | None) -> str:
         parts.append(f"<p>No plot: matplotlib is not installed ({html.escape(PLOT_HINT)}).</p>")
     parts.append("</body></html>\n")
     return "\n".join(parts)
+
+
+def _translations_html(report: Report) -> list[str]:
+    """Each verdict (or the single run) as code for Hugging Face's Trainer, Lightning and a
+    plain PyTorch loop, one collapsible block each (perfrun report DIR --as TRAINER prints them)."""
+    out = []
+    for s in report.spoken:
+        out.append(f"<h2>In your trainer's words: {html.escape(s.title)}</h2>")
+        if s.why_not:
+            out.append(f"<p>No translation: {html.escape(s.why_not)}</p>")
+        for trainer, text in s.texts.items():
+            out.append(f"<details><summary>{html.escape(TRAINER_NAMES[trainer])} (--as {trainer})</summary>"
+                       f"<pre><code>{html.escape(text)}</code></pre></details>")
+    return out
+
 
 
 def common_overrides(report: Report) -> list[str]:

@@ -9,6 +9,16 @@ from pathlib import Path
 from typing import Any
 
 
+@dataclass
+class Spoken:
+    """One configuration of a report in every trainer's words, or why it cannot be
+    (:mod:`perfrun.report.spoken`)."""
+
+    title: str
+    texts: dict[str, str]  # trainer -> code
+    why_not: str | None = None
+
+
 class ReportError(ValueError):
     """A bad path or option: one line, exit 2."""
 
@@ -53,6 +63,7 @@ class Report:
     ladders: list[dict[str, Any]] = field(default_factory=list)
     groups: list[Any] = field(default_factory=list)  # repeats of the same overrides (reading.Group)
     paths: dict[str, Path] = field(default_factory=dict)  # job label -> job dir (not serialised)
+    spoken: list[Spoken] = field(default_factory=list)  # the HTML's translations (not serialised)
 
 
 #: keys that say how a job was run, not what it measured: never a swept key nor a knob of the verdict
