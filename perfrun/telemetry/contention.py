@@ -81,10 +81,14 @@ def assess(monitor: dict[str, Any], cpus: int | None = None) -> dict[str, Any]:
     spread = _step_spread(monitor.get("interval_step_times_s") or [])
     if spread is not None and spread > STEP_SPREAD_FACTOR:
         evidence.append(f"step times spread {spread:.1f}x between the fastest and slowest tenth of the intervals")
-    known = others is not None or gpu_others is not None or spread is not None
+    # a quiet job is one whose machine was measured: the host's CPU known (the step times or
+    # an empty GPU alone cannot say that nothing else ran), or any evidence against it
+    known = others is not None or bool(evidence)
     return {
         "contended": bool(evidence) if known else None,
         "evidence": evidence,
+        **({} if known else {"unknown": "the host's CPU over the job could not be read (no figures from the monitor "
+                                        "or the start and end of the loop): it is never counted"}),
         "others_cpu_pct": None if others is None else round(others, 1),
         "idle_cpu_pct": None if idle is None else round(idle, 1),
         "proc_cpu_pct": proc,
@@ -97,12 +101,15 @@ def assess(monitor: dict[str, Any], cpus: int | None = None) -> dict[str, Any]:
 
 
 class LoadMeter:
-    """The host's CPU and the interval step times at the log points, without a thread.
+    """The host's CPU over the job's steady steps, and the interval step times, without a thread.
 
-    Per log point it reads a few counters (the machine's /proc/stat, this process's and its
-    DataLoader workers' CPU times: tens of microseconds); finding new workers scans /proc
-    (about a millisecond), so it happens at the first log point and then at most every
-    :data:`SCAN_PERIOD_S`. :meth:`figures` gives the keys :func:`assess` reads.
+    Every job has one, the monitor's thread on or off. It reads the counters (the machine's
+    /proc/stat, this process's and its DataLoader workers' CPU times: tens of microseconds)
+    when the loop starts, when the warm-up ends and when the loop ends, so that a job shorter
+    than the monitor's sampling period or its log interval (a budgeted job of a few steps) is
+    judged all the same. Finding the workers scans /proc (about a millisecond): at the end
+    of the warm-up, at the end, and, at the log points, at most every :data:`SCAN_PERIOD_S`.
+    :meth:`figures` gives the keys :func:`assess` reads.
     """
 
     SCAN_PERIOD_S = 10.0
@@ -110,14 +117,22 @@ class LoadMeter:
     def __init__(self) -> None:
         self.host = HostSampler()
         self._start = self.host.snapshot()
+        self._steady: HostSnapshot | None = None  # counters when the warm-up ended
+        self._end: HostSnapshot | None = None  # counters when the loop ended
         self._last_scan: float | None = None
-        self._ends: list[tuple[int, HostSnapshot]] = []  # (steps done, counters) at each log point
         self._step_times: list[tuple[int, float]] = []  # (first step index, mean step time s)
 
     def start(self) -> None:
         """Counting starts with the loop (after setup and resume)."""
         self._start = self.host.snapshot()
-        self._ends, self._step_times = [], []
+        self._steady = self._end = None
+        self._step_times = []
+
+    def steady(self) -> None:
+        """The warm-up just ended: the CPU figures cover the steps from here (a warm-up's
+        compilation runs worker processes that would read as another process's CPU)."""
+        self.host.scan_children()  # the DataLoader's workers have started by now
+        self._steady = self.host.snapshot()
 
     def interval(self, first: int, done: int, step_time_s: float) -> None:
         """Steps ``first..done-1`` (local indices) just ended, ``step_time_s`` each on average."""
@@ -125,20 +140,26 @@ class LoadMeter:
         if self._last_scan is None or now - self._last_scan > self.SCAN_PERIOD_S:
             self.host.scan_children()
             self._last_scan = now
-        self._ends.append((done, self.host.snapshot()))
         self._step_times.append((first, step_time_s))
 
-    def figures(self, warmup: int) -> dict[str, Any]:
-        """Means over the intervals after the warm-up (the whole loop when none is after it):
-        ``host_cpu_pct_mean``, ``proc_cpu_pct_mean``, ``workers_cpu_pct_mean`` and the steady
-        ``interval_step_times_s``, as the monitor's summary names them."""
-        if not self._ends:
+    def finish(self) -> None:
+        """The loop ended: the last reading of the counters."""
+        self.host.scan_children()
+        self._end = self.host.snapshot()
+
+    def figures(self, warmup: int, steady_steps: int) -> dict[str, Any]:
+        """Means from the end of the warm-up (the loop's start where no step came after it:
+        ``steady_steps`` 0) to the end of the loop: ``host_cpu_pct_mean``,
+        ``proc_cpu_pct_mean``, ``workers_cpu_pct_mean``, and the steady
+        ``interval_step_times_s`` of the log points, as the monitor's summary names them;
+        empty before :meth:`finish`."""
+        if self._end is None:
             return {}
-        before = next((snap for done, snap in reversed(self._ends) if done <= warmup), self._start)
-        if before is self._ends[-1][1]:
-            before = self._start
-        cpu = self.host.delta(before, self._ends[-1][1])
-        return {"method": "CPU time against the wall clock at the log points (monitor off)",
+        before = self._steady if self._steady is not None and steady_steps > 0 else self._start
+        cpu = self.host.delta(before, self._end)
+        return {"method": "CPU time against the wall clock from the end of the warm-up to the end of the loop",
+                "window": "steady steps" if before is self._steady or warmup == 0 else "every step (none after the warm-up)",
+                "window_s": round(self._end.t - before.t, 3),
                 "host_cpu_pct_mean": _round(cpu.host_cpu_pct), "proc_cpu_pct_mean": _round(cpu.proc_cpu_pct),
                 "workers_cpu_pct_mean": _round(cpu.workers_cpu_pct),
                 "interval_step_times_s": [t for first, t in self._step_times if first >= warmup and t > 0]}
@@ -146,6 +167,15 @@ class LoadMeter:
 
 def _round(v: float | None) -> float | None:
     return None if v is None else round(v, 1)
+
+
+def job_figures(monitor: dict[str, Any] | None, load: dict[str, Any] | None) -> dict[str, Any]:
+    """The figures :func:`assess` judges a job by: the monitor's where it has them (its
+    intervals), else the :class:`LoadMeter`'s (the start and end of the steady steps: a job
+    that ended before the monitor's first interval has those)."""
+    merged = dict(load or {})
+    merged.update({k: v for k, v in (monitor or {}).items() if v is not None and v != []})
+    return merged
 
 
 def say(verdict: dict[str, Any]) -> None:
