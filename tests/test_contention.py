@@ -1,7 +1,9 @@
-"""Every job assesses contention, the monitor's thread on or off: with
-``monitor.every_n_steps=0`` the host's CPU and the interval step times are read at the log
-points (telemetry.contention.LoadMeter), and a neighbour burning every core marks the job
-contended instead of leaving it "unknown" (which used to count as quiet). Real tiny jobs."""
+"""Every job assesses contention, the monitor's thread on or off, however short: the host's
+CPU is read at the end of the warm-up and the end of the loop (telemetry.contention.LoadMeter),
+so a neighbour burning every core marks the job contended, a budgeted job that ends before
+the monitor's first interval included, instead of leaving it "unknown". A job whose
+contention is unknown all the same is flagged and counted nowhere. Real tiny jobs, and a
+planted ladder for the report."""
 
 from __future__ import annotations
 

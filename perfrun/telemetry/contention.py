@@ -6,10 +6,12 @@ checked on planted figures:
 - :func:`assess`: the ``contended`` verdict of one job, with its evidence. A comparison
   between jobs (ladder, sweep, tune) must not rank a job that shared its machine: its
   tokens/s measure the neighbour as much as the knob.
-- :class:`LoadMeter`: the figures :func:`assess` needs when the monitor's thread is off
-  (``monitor.every_n_steps=0``): the machine's and this process's CPU time against the wall
-  clock, and the interval step times, read at the step metrics' log points, so that every
-  job is assessed and none counts as quiet for want of a monitor.
+- :class:`LoadMeter`: the figures :func:`assess` needs where the monitor has none (its thread
+  off, or a job that ended before the monitor's first interval, as a budgeted ladder job
+  can): the machine's and this process's CPU time against the wall clock from the end of
+  the warm-up to the end of the loop, and the interval step times at the log points, so
+  that every job is assessed and none counts as quiet for want of a sample. A job whose
+  host CPU could still not be read is "unknown" (``contended`` None): never counted.
 - :func:`gpu_starved_pct`: the share of the step during which the GPU sat idle waiting for
   the next batch, from device-timed waits around the hand-off of each batch.
 """
@@ -56,13 +58,14 @@ def usable_cpus() -> int:
 def assess(monitor: dict[str, Any], cpus: int | None = None) -> dict[str, Any]:
     """The ``contention`` block of summary.json from the monitor's run figures.
 
-    ``monitor``: :meth:`Monitor.summary` or, with the monitor off, :meth:`LoadMeter.figures`
-    (host busy %, this process's and its workers' CPU, other GPU processes, interval step
-    times); ``cpus``: the cores this process may use
-    (default: its affinity).
+    ``monitor``: :func:`job_figures` (the monitor's summary, completed by
+    :meth:`LoadMeter.figures`: host busy %, this process's and its workers' CPU, other GPU
+    processes, interval step times); ``cpus``: the cores this process may use (default: its
+    affinity).
     Contended when any of: other processes held CPU while the machine had no idle core to
     spare; another process computed on the same GPU; interval step times spread by more
-    than :data:`STEP_SPREAD_FACTOR`. None of the figures: ``contended`` is None (unknown).
+    than :data:`STEP_SPREAD_FACTOR`. Quiet only where the host's CPU was read and none of
+    these holds; neither: ``contended`` is None (unknown).
     """
     cpus = cpus or usable_cpus()
     evidence: list[str] = []
