@@ -156,3 +156,18 @@ def test_a_job_of_unknown_contention_is_flagged_and_feeds_neither_the_noise_nor_
     assert flagged == set(a["unknown_contention_jobs"])
     table = render.to_markdown(r)
     assert "| unknown |" in table and "2 (+1 unknown)" in table  # the runs table's column, the naive rung's runs
+
+
+def test_the_monitors_host_means_stand_only_over_its_steady_intervals() -> None:
+    """A job that closed monitor intervals in its warm-up alone is judged by the steady steps'
+    counters, not by a warm-up whose compilation workers read as another process."""
+    load = {"host_cpu_pct_mean": 55.0, "proc_cpu_pct_mean": 100.0, "interval_step_times_s": []}
+    warm_up = {"host_cpu_pct_mean": 100.0, "proc_cpu_pct_mean": 60.0, "host_cpu_window": "all intervals",
+               "gpu_other_processes_max": None, "interval_step_times_s": []}
+    assert contention.job_figures(warm_up, load)["proc_cpu_pct_mean"] == 100.0
+    assert contention.assess(contention.job_figures(warm_up, load), cpus=2)["contended"] is False
+    steady = {**warm_up, "host_cpu_window": "steady intervals", "interval_step_times_s": [0.1] * 6}
+    figures = contention.job_figures(steady, load)
+    assert figures["proc_cpu_pct_mean"] == 60.0 and figures["interval_step_times_s"] == [0.1] * 6
+    assert contention.assess(figures, cpus=2)["contended"] is True
+    assert contention.assess(contention.job_figures(None, None), cpus=2)["contended"] is None

@@ -172,12 +172,20 @@ def _round(v: float | None) -> float | None:
     return None if v is None else round(v, 1)
 
 
+#: the monitor's host CPU means, which stand only over its steady intervals
+HOST_MEANS = ("host_cpu_pct_mean", "proc_cpu_pct_mean", "workers_cpu_pct_mean")
+
+
 def job_figures(monitor: dict[str, Any] | None, load: dict[str, Any] | None) -> dict[str, Any]:
-    """The figures :func:`assess` judges a job by: the monitor's where it has them (its
-    intervals), else the :class:`LoadMeter`'s (the start and end of the steady steps: a job
-    that ended before the monitor's first interval has those)."""
+    """The figures :func:`assess` judges a job by: the monitor's where it has them, else the
+    :class:`LoadMeter`'s (the end of the warm-up to the end of the loop). A job that ended
+    before the monitor closed an interval after its warm-up (a budgeted ladder job) has only
+    the latter: the monitor's means over warm-up intervals would count a compilation's
+    worker processes as another process's CPU."""
     merged = dict(load or {})
-    merged.update({k: v for k, v in (monitor or {}).items() if v is not None and v != []})
+    steady = (monitor or {}).get("host_cpu_window") == "steady intervals"
+    merged.update({k: v for k, v in (monitor or {}).items()
+                   if v is not None and v != [] and (steady or k not in HOST_MEANS)})
     return merged
 
 
