@@ -171,3 +171,10 @@ def test_the_monitors_host_means_stand_only_over_its_steady_intervals() -> None:
     assert figures["proc_cpu_pct_mean"] == 60.0 and figures["interval_step_times_s"] == [0.1] * 6
     assert contention.assess(figures, cpus=2)["contended"] is True
     assert contention.assess(contention.job_figures(None, None), cpus=2)["contended"] is None
+
+
+def test_a_job_of_unknown_contention_says_so_at_its_end(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("WARNING", logger="perfrun"):
+        contention.say(contention.assess({}))
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line.startswith("whether this job had the machine to itself is unknown") and "never counted" in line

@@ -190,10 +190,13 @@ def job_figures(monitor: dict[str, Any] | None, load: dict[str, Any] | None) -> 
 
 
 def say(verdict: dict[str, Any]) -> None:
-    """The console line at the end of a job that did not have the machine to itself."""
+    """The console line at the end of a job that did not have the machine to itself, or of
+    one where that is unknown."""
     if verdict.get("contended"):
         log.warning("this job did not have the machine to itself: " + "; ".join(verdict["evidence"])
                     + " (its speed is not comparable with other jobs'; summary.json: contention)")
+    elif verdict.get("contended") is None:
+        log.warning(f"whether this job had the machine to itself is unknown: {verdict.get('unknown', '')}")
 
 
 def gpu_starved_pct(hand_off_waits_ms: Sequence[float], step_times_ms: Sequence[float]) -> float | None:
