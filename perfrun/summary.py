@@ -92,7 +92,7 @@ class RunSummary(TypedDict, total=False):
     monitor: dict[str, Any]
     monitor_ranks: list[dict[str, Any]]
     monitor_job: dict[str, Any]
-    host_load: dict[str, Any]  # with the monitor off: the host CPU figures contention is judged by
+    host_load: dict[str, Any]  # the host CPU over the steady steps (start and end of the loop): contention is judged by it where the monitor has no figure
     contention: dict[str, Any]  # did the job have the machine? telemetry.contention.assess
 
 

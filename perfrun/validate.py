@@ -5,9 +5,11 @@ a number. Each rule raises ConfigError with one line: what, why, and the fix."""
 from __future__ import annotations
 
 import math
+import re
 
 from perfrun.config import (
     CHOICES,
+    AblationConfig,
     ConfigError,
     DataConfig,
     DataLoaderConfig,
@@ -16,6 +18,7 @@ from perfrun.config import (
     TrainConfig,
     select,
 )
+from perfrun.device_conditions import ACTS_ON
 from perfrun.model_schema import model_problem
 
 
@@ -77,7 +80,6 @@ _MINIMUMS = (  # key, lowest value, why (said in the error)
     ("optim.warmup_steps", 0, ""), ("checkpointing.every_k", 0, ""), ("checkpoint.every_n_steps", 0, ""),
     ("checkpoint.keep_last", 1, ""), ("guard.max_bad_steps", 1, ""), ("profiler.start_step", 0, ""),
     ("profiler.warmup", 0, ""), ("profiler.active", 1, ""), ("profiler.snapshot_entries", 1, ""),
-    ("ablation.tradeoff_repeats", 1, " (the repeats a memory trade-off rung of the ladder runs)"),
 )
 
 
@@ -197,14 +199,47 @@ MAX_ACCUMULATION_STEPS = 1024
 
 
 def check_bounds(cfg: TrainConfig) -> None:
-    """accumulation.steps within :data:`MAX_ACCUMULATION_STEPS`; the ladder's time budgets positive."""
+    """accumulation.steps within :data:`MAX_ACCUMULATION_STEPS`; every ``ablation.*`` key within its bounds."""
     steps = cfg.accumulation.steps
     if steps > MAX_ACCUMULATION_STEPS:
         raise ConfigError(
             f"accumulation.steps={steps} is more than {MAX_ACCUMULATION_STEPS} micro-batches per optimizer step "
             f"(GPT-2's 0.5M-token batch at batch_size=1 is 480); set accumulation.steps to {MAX_ACCUMULATION_STEPS} "
             "or less, or raise dataloader.batch_size instead")
-    for key in ("budget_s", "target_s"):
-        value = getattr(cfg.ablation, key, None)
-        if value is not None and not (math.isfinite(value) and value > 0):
-            raise ConfigError(f"ablation.{key}={value} must be a positive number of seconds, or null for no bound")
+    check_ablation(cfg.ablation)
+
+
+#: The most repeats of a rung: a median and its min-max range gain nothing from more, and the
+#: ladder runs every repeat of every rung one after another.
+MAX_REPEATS = 100
+#: The longest time budget of a job or target of a ladder: a week; more is a typo (minutes for
+#: seconds?), not a plan, and ``null`` says "no bound".
+MAX_SECONDS = 7 * 24 * 3600.0
+#: What ``ablation.kind`` may be: a rung file's place in the ladder ("" outside the ladder).
+RUNG_KINDS = ("", "ladder", "without", "alternative", "tradeoff", "seed")
+_RUNG_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+
+
+def check_ablation(a: AblationConfig) -> None:
+    """Every ``ablation.*`` key within its bounds, checked before a ladder calibrates or runs a
+    job (:mod:`perfrun.ladder.bounds`) and again by each job."""
+    for key, value, what, fix in (("repeats", a.repeats, "the runs of each rung", "3, or 1 for a single pass"),
+                                  ("tradeoff_repeats", a.tradeoff_repeats, "the runs of a memory trade-off", "2")):
+        if not 1 <= value <= MAX_REPEATS:
+            raise ConfigError(f"ablation.{key}={value} is outside 1 to {MAX_REPEATS} ({what}, run one after another); "
+                              f"set ablation.{key}={fix}")
+    for key, seconds in (("budget_s", a.budget_s), ("target_s", a.target_s)):
+        if seconds is not None and not (math.isfinite(seconds) and 0 < seconds <= MAX_SECONDS):
+            raise ConfigError(f"ablation.{key}={seconds} must be more than 0 and at most {MAX_SECONDS:.0f} seconds (a "
+                              f"week); set e.g. ablation.{key}=600, or ablation.{key}=null for no bound")
+    if a.kind not in RUNG_KINDS:
+        raise ConfigError(f"ablation.kind={a.kind} is not a kind of rung; choose one of "
+                          f"{', '.join(k for k in RUNG_KINDS if k)} (or leave it to the rung's file in conf/ablation/)")
+    if a.acts_on not in ACTS_ON:
+        raise ConfigError(f"ablation.acts_on={a.acts_on} is not an option; choose one of {', '.join(ACTS_ON)}")
+    if a.rung and not _RUNG_NAME.fullmatch(a.rung):
+        raise ConfigError(f"ablation.rung={a.rung!r} is not a rung's name (letters, digits, _ . -: its file's name "
+                          "under conf/ablation/); leave it to the rung's file")
+    if a.step < 0:
+        raise ConfigError(f"ablation.step={a.step} must be >= 0 (a rung's place above the naive trainer, 0); "
+                          "leave it to the rung's file in conf/ablation/")

@@ -62,7 +62,7 @@ CASES = [
     Case("profiler window beyond max_steps", ("train", "profile=true"), "raise max_steps"),
     Case("sweep syntax without -m", ("train", "precision=bf16,fp16"), "Ambiguous value"),
     Case("a ladder of no repeats", ("train", "-m", "+sweep=ablation", "ablation.repeats=0"),
-         "ablation.repeats=0 must be >= 1", small=False),
+         "ablation.repeats=0 is outside 1 to 100", small=False),
     Case("several processes, no distributed mode", ("train", "nproc=2"), "nproc=2 needs distributed=ddp or fsdp"),
     Case("unknown distributed mode", ("train", "distributed=zero3"), "distributed=zero3 is not an option"),
     Case("unknown compile scope", ("train", "compile_options.scope=layers"), "compile_options.scope=layers is not an option"),
@@ -166,6 +166,16 @@ CASES = [
     Case("generate from a checkpoint of a custom model", ("generate", "checkpoint={d}/records_model_class.pt"),
          "perfrun never imports a class that a file names", small=False),
     Case("Hydra's rerun from a pickle", ("train", "--experimental-rerun", "{d}/config.pickle"), "never reads one"),
+    Case("a ladder job's time budget that is no time", ("train", "-m", "+sweep=ablation", "ablation.budget_s=-1"),
+         "ablation.budget_s=-1.0 must be more than 0", small=False),
+    Case("a ladder of absurd repeats", ("train", "-m", "+sweep=ablation", "ablation.repeats=100000"),
+         "ablation.repeats=100000 is outside 1 to 100", small=False),
+    Case("memory trade-offs of no repeats", ("train", "-m", "+sweep=ablation", "ablation.tradeoff_repeats=-1"),
+         "ablation.tradeoff_repeats=-1 is outside 1 to 100", small=False),
+    Case("a ladder too large to finish", ("train", "-m", "+sweep=ablation", "ablation.repeats=50"),
+         "the ladder would run 1,450 jobs", small=False),
+    Case("a rung's own key on the ladder's command line", ("train", "-m", "+sweep=ablation", "ablation.kind=ladder"),
+         "ablation.kind is each rung's own", small=False),
 ]
 
 

@@ -163,7 +163,7 @@ def test_repeats_of_a_sweep_are_grouped_and_no_winner_inside_the_noise(tmp_path:
             job.mkdir()
             (job / "summary.json").write_text(json.dumps({
                 "status": "completed", "overrides": [f"dataloader.batch_size={batch}", f"repeat={repeat}"],
-                "tokens_per_s_median": tps, "config": {"repeat": repeat}}))
+                "tokens_per_s_median": tps, "config": {"repeat": repeat}, "contention": {"contended": False}}))
             n += 1
     r = read_sweep([tmp_path])
     assert r.swept_keys == ["dataloader.batch_size"]  # repeat is not a knob

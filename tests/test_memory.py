@@ -174,7 +174,8 @@ def plant(job: Path, rung: str, kind: str, knob: str, tps: float, act: int, temp
     s = {"status": "completed", "overrides": [f"+ablation={rung}"], "tokens_per_s_median": tps, "peak_mem_mib": 1.0,
          "first_step_s": 0.1, "config": {"ablation": {"rung": rung, "kind": kind, "step": 4, "knob": knob}},
          "environment": {"device": "cuda", "device_name": "Test GPU", "device_memory_gib": 1.0},
-         "memory": {"breakdown": {"categories_bytes": cats, "peak_bytes": sum(cats.values())}}}
+         "memory": {"breakdown": {"categories_bytes": cats, "peak_bytes": sum(cats.values())}},
+         "contention": {"contended": False, "evidence": []}}
     (job / "summary.json").write_text(json.dumps(s))
     (job / "metrics.jsonl").write_text("")
 

@@ -44,6 +44,7 @@ def make_job(
         "final_train_loss": list(losses.values())[-1], "final_val_loss": 2.0, "first_step_s": first_step,
         "peak_mem_source": "cuda_max_memory_allocated", "environment": {"device_name": "Test GPU 9000"},
         "knobs": knobs or {"precision": "none", "compile": False, "checkpointing": "none", "cudnn_benchmark": False},
+        "contention": {"contended": False, "evidence": []},  # every job of run() is assessed
     }
     if reason:
         s["reason"] = reason

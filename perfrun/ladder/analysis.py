@@ -6,7 +6,8 @@ Each job says where it stands in its configuration's ``ablation`` block (conf/ab
 ``rung``, ``kind`` = ladder | without | alternative | tradeoff | seed, ``step``, ``knob``,
 ``acts_on``, ``why``); the jobs of a rung are its repeats. A rung's figure is the median over
 its completed repeats that had the machine to themselves, with the min-max spread; a job
-marked contended (summary.json ``contention``) is shown but never counted, a repeat far off
+marked contended (summary.json ``contention``), or whose contention is unknown, is shown but
+never counted, a repeat far off
 its rung's others is named as an outlier and not counted (:func:`perfrun.report.noise.outliers`),
 and a rung with no other job is not ranked. An effect whose ranges overlap is "no measurable
 effect (±x %)"; a rung run once is judged against the machine's noise measured in the same
@@ -87,14 +88,15 @@ class _Rungs:
         self.base_curve = train_losses(report.paths[base[0].job]) if base else {}
         self.outliers: dict[str, float] = {}  # job -> the median of its rung's repeats
         for jobs in self.by_rung.values():
-            quiet = [r for r in jobs if r.status == "completed" and not r.contended and finite(r.tokens_per_s)]
+            quiet = [r for r in jobs if r.status == "completed" and r.quiet and finite(r.tokens_per_s)]
             mid = _median([r.tokens_per_s for r in quiet])
             self.outliers.update({quiet[i].job: mid for i in outliers([r.tokens_per_s for r in quiet])})
         self.floor, self.floor_source = self._machine_noise()
 
     def counted(self, rung: str) -> list[Row]:
-        """The repeats a rung's figure is made of: completed, not contended, not an outlier."""
-        return [r for r in self.by_rung.get(rung, []) if r.status == "completed" and not r.contended
+        """The repeats a rung's figure is made of: completed, measured to have had the machine
+        (neither contended nor unknown), not an outlier."""
+        return [r for r in self.by_rung.get(rung, []) if r.status == "completed" and r.quiet
                 and r.job not in self.outliers]
 
     def completed(self, rung: str) -> list[Row]:
@@ -166,7 +168,8 @@ def _entry(rs: _Rungs, rung: str, against: Spread | None = None, base: Spread | 
     out = {
         "rung": rung, "kind": meta.get("kind"), "step": meta.get("step"), "knob": meta.get("knob") or None,
         "why": meta.get("why"), "jobs": [r.job for r in rows], "n": tps.n,
-        "contended": sum(1 for r in rows if r.contended), "failed": sum(1 for r in rows if r.status not in ("completed", "skipped", "stopped")),
+        "contended": sum(1 for r in rows if r.contended), "unknown": sum(1 for r in rows if r.machine_unknown),
+        "failed": sum(1 for r in rows if r.status not in ("completed", "skipped", "stopped")),
         "outliers": [r.job for r in rows if r.job in rs.outliers],
         "applicable": rs.applicable(rung),
         "tokens_per_s": tps.median, "tokens_per_s_min": tps.lo, "tokens_per_s_max": tps.hi, "spread_pct": tps.half_pct,
@@ -192,8 +195,10 @@ def _verdict(rs: _Rungs, rung: str, e: dict[str, Any], eff: Effect) -> str:
         skipped = next((r.reason for r in rs.by_rung.get(rung, []) if r.status == "skipped" and r.reason), None)
         return skipped or f"not applicable on {rs.device}: {e['why']}"
     if e["n"] == 0:
-        if e["contended"]:
-            return f"not ranked: all {e['contended']} job(s) shared the machine (contended)"
+        if e["contended"] or e["unknown"]:
+            return "not ranked: " + "; ".join(
+                ([f"{e['contended']} job(s) shared the machine (contended)"] if e["contended"] else [])
+                + ([f"whether {e['unknown']} job(s) had the machine is unknown"] if e["unknown"] else []))
         if e["outliers"]:
             return f"not ranked: its only job(s) ({', '.join(e['outliers'])}) were outliers"
         return "not measured: no completed job"
@@ -295,15 +300,17 @@ def _one_ladder(report: Report, root: str, rows: list[Row], window: float) -> di
     against_reference(rs, ladder + alternatives + without, recommended.get("reference"))
     first = rows[0]
     contended = [r for r in rows if r.contended]
+    unknown = [r for r in rows if r.machine_unknown]
     return {
         "root": root, "device": rs.device, "device_name": first.device_name, "software": first.software,
         "peak_mem_source": first.peak_mem_source, "loss_window": window, "loss_tolerance": tol, "loss_rule": rule,
         "seed_gap": seed_gap, "machine_noise_pct": rs.floor, "machine_noise_source": rs.floor_source,
-        "contended_jobs": [r.job for r in contended], "outliers": _outliers(rs),
+        "contended_jobs": [r.job for r in contended], "unknown_contention_jobs": [r.job for r in unknown],
+        "outliers": _outliers(rs),
         "top": top, "ladder": ladder, "alternatives": alternatives, "leave_one_out": without,
         "tradeoffs": _tradeoffs(rs, top), "recommended": recommended, "model": _model(rs, rows),
         "verdict": verdict_line(recommended, ladder[0]["peak_mem_mib"] if ladder else None),
-        "notes": _notes(rs, rows, contended),
+        "notes": _notes(rs, rows, contended, unknown),
     }
 
 
@@ -313,10 +320,13 @@ def _outliers(rs: _Rungs) -> list[dict[str, Any]]:
             for rung, jobs in rs.by_rung.items() for r in jobs if r.job in rs.outliers]
 
 
-def _notes(rs: _Rungs, rows: list[Row], contended: list[Row]) -> list[str]:
-    """The lines under the ladder's tables: who shared the machine, the outliers, the noise."""
+def _notes(rs: _Rungs, rows: list[Row], contended: list[Row], unknown: list[Row]) -> list[str]:
+    """The lines under the ladder's tables: who shared the machine (or may have), the
+    outliers, the noise."""
     notes = [f"{len(contended)} of {len(rows)} jobs shared the machine and are not counted (jobs "
              f"{', '.join(r.job for r in contended)}); the first: {'; '.join(contended[0].contention)}"] if contended else []
+    notes += [f"{len(unknown)} of {len(rows)} jobs have no contention figures, so whether they had the machine is "
+              f"unknown: flagged and not counted (jobs {', '.join(r.job for r in unknown)})"] if unknown else []
     notes += [f"job {o['job']} ({o['rung']}): {o['tokens_per_s']:,.0f} tokens/s is an outlier, more than "
               f"{OUTLIER_RATIO:g}× off its rung's median {o['rung_median']:,.0f}; not counted" for o in _outliers(rs)]
     if "naive" not in rs.by_rung:

@@ -74,13 +74,16 @@ class SweepSummary(Callback):
     t_start: float = 0.0
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        repeats = OmegaConf.select(config, "ablation.repeats")
-        if isinstance(repeats, int) and repeats < 1:  # the ladder would launch no job at all
+        from perfrun.config import ConfigError
+        from perfrun.ladder.bounds import check_sweep
+
+        try:  # before the calibration and any job: one line, not one per job
+            check_sweep(config)
+        except ConfigError as e:
             from perfrun.console import error
 
-            error(f"ablation.repeats={repeats} must be >= 1 (the runs of each rung); set ablation.repeats=3, "
-                  "or 1 for a single pass")
-            raise SystemExit(2)
+            error(str(e))
+            raise SystemExit(2) from None
         if saves_no_checkpoints(config):
             from rich.console import Console
 

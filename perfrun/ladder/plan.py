@@ -19,11 +19,14 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from perfrun.config import TrainConfig
+
+if TYPE_CHECKING:
+    from hydra.core.override_parser.types import Override
 
 log = logging.getLogger("perfrun")
 
@@ -42,15 +45,21 @@ def kind_of(cfg: TrainConfig | DictConfig) -> str:
     return f"{cfg.precision.name}/{compiled}"
 
 
-def sweep_jobs(config: DictConfig) -> list[list[str]]:
-    """The sweep's jobs, as Hydra's basic sweeper will expand them: one override list each."""
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+def sweep_overrides(config: DictConfig) -> list[Override]:
+    """The sweeper's parameters, then the command line's overrides, parsed as Hydra's basic
+    sweeper reads them (a key given twice: the later wins)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     params = OmegaConf.select(config, "hydra.sweeper.params") or {}
     given = [f"{k}={v}" for k, v in params.items()] + list(OmegaConf.select(config, "hydra.overrides.task") or [])
-    parsed = OverridesParser.create().parse_overrides(given)
-    return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+    return OverridesParser.create().parse_overrides(given)
+
+
+def sweep_jobs(config: DictConfig) -> list[list[str]]:
+    """The sweep's jobs, as Hydra's basic sweeper will expand them: one override list each."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+
+    return [job for batch in BasicSweeper.split_arguments(sweep_overrides(config), None) for job in batch]
 
 
 def is_ladder(jobs: list[list[str]]) -> bool:

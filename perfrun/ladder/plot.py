@@ -49,9 +49,9 @@ def _one_run(ax: Any, x: float, y: float, **kw: Any) -> None:
 
 
 def _jobs_apart(report: Report, a: dict[str, Any], x_of: dict[str, float]) -> dict[str, list[tuple[float, float, str]]]:
-    """The ladder's jobs that do not stand (contended, outlier, failed) at their rung's place."""
+    """The ladder's jobs that do not stand (contended, unknown, outlier, failed) at their rung's place."""
     outliers = {o["job"] for o in a.get("outliers", [])}
-    out: dict[str, list[tuple[float, float, str]]] = {"contended": [], "outlier": [], "failed": []}
+    out: dict[str, list[tuple[float, float, str]]] = {"contended": [], "unknown": [], "outlier": [], "failed": []}
     for r in report.rows:
         rung = r.ablation.get("rung")
         if r.root != a["root"] or rung not in x_of or r.status == "skipped":
@@ -61,6 +61,8 @@ def _jobs_apart(report: Report, a: dict[str, Any], x_of: dict[str, float]) -> di
             out["failed"].append((x_of[rung], y, f"{r.job}: {r.status}"))
         elif r.contended:
             out["contended"].append((x_of[rung], y, f"{r.job}: contended"))
+        elif r.machine_unknown:
+            out["unknown"].append((x_of[rung], y, f"{r.job}: machine unknown"))
         elif r.job in outliers:
             out["outlier"].append((x_of[rung], y, f"{r.job}: outlier"))
     return out
@@ -132,7 +134,8 @@ def _over_steps(ax_loss: Any, ax_tps: Any, report: Report, a: dict[str, Any]) ->
         if r.root != a["root"] or not r.ablation.get("rung"):
             continue
         loss, tps = _curves(report.paths[r.job])
-        apart = "contended" if r.contended else "outlier" if r.job in outliers else ""
+        apart = "contended" if r.contended else "machine unknown" if r.machine_unknown else \
+            "outlier" if r.job in outliers else ""
         style = "--" if apart else "-"
         label = f"{r.job} {r.ablation['rung']}" + (f" ({apart})" if apart else "")
         for ax, pts in ((ax_loss, loss), (ax_tps, tps)):

@@ -9,7 +9,8 @@ Rules (tests/test_verdict.py holds the code to them over generated sweeps):
   runs, the machine's noise not measured) is not a tie;
 - the recommendation is never measurably slower than another measured, parity-ok
   configuration with the same or fewer knobs;
-- with the naive trainer missing, contended or failed, the verdict says so, names what to
+- a job counts only where it was measured to have had the machine (contended: no; unknown: no);
+- with the naive trainer missing, contended, unknown or failed, the verdict says so, names what to
   rerun, and states its speed against the fastest uncontended entry instead of "n/a".
 """
 
@@ -104,6 +105,9 @@ def baseline_state(rs: _Rungs) -> dict[str, Any]:
         state, why = "missing", "no naive job was run (+ablation=naive)"
     elif any(r.contended for r in rows):
         state, why = "contended", f"its {sum(1 for r in rows if r.contended)} job(s) shared the machine"
+    elif any(r.machine_unknown for r in rows):
+        state, why = "unknown", (f"whether its {sum(1 for r in rows if r.machine_unknown)} job(s) had the machine "
+                                 "is unknown (no contention figures)")
     elif any(r.job in rs.outliers for r in rows):
         state, why = "outlier", "its jobs were outliers of one another"
     else:
@@ -136,9 +140,11 @@ def recommend(rs: _Rungs, ladder: list[dict[str, Any]], others: list[dict[str, A
     stands = {"baseline": base["state"], "baseline_why": base["why"], "rerun": base["rerun"],
               "machine_noise_pct": rs.floor}
     if not measured:
-        unranked = all(e["n"] == 0 and e["contended"] for e in ladder if e["applicable"])
+        unranked = all(e["n"] == 0 and (e["contended"] or e.get("unknown")) for e in ladder if e["applicable"])
         return {"knobs": [], "dropped": [e["rung"] for e in climbed], "line": "perfrun train", **stands,
-                "why": "no rung can be ranked: every job shared the machine (contended); rerun on a quiet machine"
+                "why": "no rung can be ranked: every job shared the machine (contended)"
+                + (" or was not measured for it (unknown)" if any(e.get("unknown") for e in ladder) else "")
+                + "; rerun on a quiet machine"
                 if unranked else "no job was measured (no completed, uncontended job within loss parity)"}
     configs = {e["rung"]: rs.config(e["rung"]) for e in measured}
     naive = configs.get("naive") or (rs.config("naive") if "naive" in rs.by_rung else {})

@@ -94,8 +94,9 @@ def run(cfg: TrainConfig, run_dir: Path | None, *, overrides: list[str] | None =
             with reporter:
                 summary.update(_train(cfg, loop, start, run_dir, snapshot=bool(built.facts["memory_snapshot"] and main),
                                       batch_size=resolved.batch_size))
-            # did this job have the machine to itself? (the monitor's figures, else the host's at log points)
-            summary["contention"] = contention.assess(summary.get("monitor") or summary.get("host_load") or {})
+            # did this job have the machine to itself? (the monitor's figures, else the host's over the steady steps)
+            summary["contention"] = contention.assess(contention.job_figures(summary.get("monitor"),
+                                                                             summary.get("host_load")))
             if main:
                 contention.say(summary["contention"])
             if built.facts["memory_snapshot"] and main:

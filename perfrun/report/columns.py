@@ -88,7 +88,7 @@ def run_columns(report: Report) -> list[Column]:
         Column("host_data_wait_pct", "host data-wait %", lambda r: r.host_data_wait_pct, ".1f", keep=2),
         Column("gpu_starved_pct", "GPU starved %", lambda r: r.gpu_starved_pct, ".1f", keep=3),
         Column("contended", "contended", lambda r: r.contended, text=lambda r: "yes" if r.contended else
-               ("no" if r.contended is False else NA), justify="left", keep=8),
+               ("no" if r.contended is False else "unknown" if r.machine_unknown else NA), justify="left", keep=8),
         Column("final_train_loss", "train loss", lambda r: r.final_train_loss, ".4f", keep=3),
         Column("final_val_loss", "val loss", lambda r: r.final_val_loss, ".4f", keep=4),
         Column("first_step_s", "first step s", lambda r: r.first_step_s, ".2f", keep=1),
@@ -98,7 +98,8 @@ def run_columns(report: Report) -> list[Column]:
 
 def run_mark(r: Row) -> str | None:
     """How a job's row stands out: the best, or one that did not complete or shared the machine."""
-    return "best" if r.best else ("bad" if r.status not in ("completed", "skipped") or r.contended else None)
+    return "best" if r.best else ("bad" if r.status not in ("completed", "skipped") or r.contended
+                                  or r.machine_unknown else None)
 
 
 def _tps_cell(e: dict[str, Any]) -> str:
@@ -116,6 +117,7 @@ def _effect_cell(e: dict[str, Any], key: str) -> str:
 
 def _runs_cell(e: dict[str, Any]) -> str:
     return f"{e['n']}" + (f" (+{e['contended']} contended)" if e["contended"] else "") + \
+        (f" (+{e['unknown']} unknown)" if e.get("unknown") else "") + \
         (f" (+{e['failed']} failed)" if e["failed"] else "") + \
         (f" (+{len(e['outliers'])} outlier)" if e.get("outliers") else "")
 
@@ -157,7 +159,8 @@ GROUP_COLUMNS = [
     Column("jobs", "jobs", lambda g: ",".join(g.jobs), justify="left"),
     Column("overrides", "overrides", lambda g: " ".join(g.overrides) or "(defaults)", justify="left"),
     Column("runs", "runs", lambda g: g.tps.n,
-           text=lambda g: f"{g.tps.n}" + (f" (+{g.contended} contended)" if g.contended else "")),
+           text=lambda g: f"{g.tps.n}" + (f" (+{g.contended} contended)" if g.contended else "")
+           + (f" (+{g.unknown} unknown)" if g.unknown else "")),
     Column("tokens_per_s", "tok/s (median ±½ range)", lambda g: g.tps.median, text=lambda g: g.tps.text()),
     Column("verdict", "vs best", lambda g: g.verdict or None, justify="left"),
 ]

@@ -22,13 +22,14 @@ def png(fig: Any) -> bytes:
 
 #: how a job that does not stand is drawn: hollow, apart, never on a line
 APART = {"contended": dict(marker="o", markeredgecolor="tab:red", label="shared the machine: not counted"),
+         "unknown": dict(marker="s", markeredgecolor="tab:orange", label="sharing of the machine unknown: not counted"),
          "outlier": dict(marker="D", markeredgecolor="tab:purple", label="outlier of its repeats: not counted"),
          "failed": dict(marker="X", markeredgecolor="dimgray", label="failed or unfinished: no figure")}
 
 
 def standing(r: Row) -> bool:
-    """A job whose figure counts: completed, with tokens/s, and the machine to itself."""
-    return r.status == "completed" and not r.contended and finite(r.tokens_per_s)
+    """A job whose figure counts: completed, with tokens/s, and measured to have had the machine."""
+    return r.status == "completed" and r.quiet and finite(r.tokens_per_s)
 
 
 def draw_apart(ax: Any, points: dict[str, list[tuple[float, float, str]]]) -> None:
@@ -52,6 +53,7 @@ def wrap(text: str, width_in: float, fontsize: float = 9) -> str:
 
 def contended_line(rows: list[Row]) -> str:
     """How many jobs shared the machine: said on every image."""
-    k = sum(1 for r in rows if r.contended)
-    return f"{k} of {len(rows)} jobs shared the machine (hollow, not counted)" if k else \
+    k, unknown = sum(1 for r in rows if r.contended), sum(1 for r in rows if r.machine_unknown)
+    line = f"{k} of {len(rows)} jobs shared the machine (hollow, not counted)" if k else \
         f"no job of {len(rows)} shared the machine"
+    return line + (f"; {unknown} not measured for it (hollow, not counted)" if unknown else "")

@@ -23,7 +23,8 @@ from perfrun.report.rows import finite
 
 @dataclass(frozen=True)
 class Spread:
-    """Median and range of the repeats of one measurement (contended repeats left out)."""
+    """Median and range of the repeats of one measurement (repeats not measured to have had
+    the machine to themselves, contended or unknown, left out by the caller)."""
 
     n: int
     median: float | None

@@ -76,13 +76,15 @@ def plot_or_warn(report: Report, figure_of: Callable[[Report], Any] | None = Non
 
 def _apart_points(rows: list[Row], x_of: Any) -> dict[str, list[tuple[float, float, str]]]:
     """Where each job that does not stand goes: its tokens/s if it has one, else the axis."""
-    out: dict[str, list[tuple[float, float, str]]] = {"contended": [], "failed": []}
+    out: dict[str, list[tuple[float, float, str]]] = {"contended": [], "unknown": [], "failed": []}
     for r in rows:
         if standing(r) or r.status == "skipped":
             continue
         y = r.tokens_per_s if finite(r.tokens_per_s) else 0.0
         if r.contended and r.status == "completed":
             out["contended"].append((x_of(r), y, f"{r.job}: contended"))
+        elif r.machine_unknown:
+            out["unknown"].append((x_of(r), y, f"{r.job}: machine unknown"))
         else:
             out["failed"].append((x_of(r), y, f"{r.job}: {r.status}"))
     return out

@@ -194,10 +194,11 @@ class Group:
 
     overrides: list[str]
     jobs: list[str]
-    tps: Spread  # over the completed jobs that had the machine to themselves
+    tps: Spread  # over the completed jobs measured to have had the machine to themselves
     contended: int
     best: bool = False
     verdict: str = ""  # against the best group: an effect, or no measurable one
+    unknown: int = 0  # completed jobs whose sharing of the machine is unknown (not counted)
 
 
 def group_repeats(rows: Sequence[Row]) -> list[Group]:
@@ -207,8 +208,9 @@ def group_repeats(rows: Sequence[Row]) -> list[Group]:
         key = tuple(o for o in r.overrides if override_key(o)[0] != "repeat")
         by.setdefault((r.root, r.device_name or "", key), []).append(r)
     return [Group(list(k[2]), [r.job for r in members],
-                  spread(r.tokens_per_s for r in members if r.status == "completed" and not r.contended),
-                  sum(1 for r in members if r.contended)) for k, members in by.items()]
+                  spread(r.tokens_per_s for r in members if r.status == "completed" and r.quiet),
+                  sum(1 for r in members if r.contended), unknown=sum(1 for r in members if r.machine_unknown))
+            for k, members in by.items()]
 
 
 def _rank(rows: list[Row], groups: list[Group]) -> str | None:
@@ -226,7 +228,7 @@ def _rank(rows: list[Row], groups: list[Group]) -> str | None:
     if winner is None:
         return None
     fastest.best = True
-    members = [r for r in rows if r.job in fastest.jobs and r.status == "completed" and not r.contended
+    members = [r for r in rows if r.job in fastest.jobs and r.status == "completed" and r.quiet
                and finite(r.tokens_per_s)]
     top = max(members, key=lambda r: r.tokens_per_s)  # type: ignore[arg-type,return-value]
     top.best = True

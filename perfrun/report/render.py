@@ -223,6 +223,9 @@ def notes(report: Report) -> list[str]:
              if r.status not in ("completed", "skipped") and r.reason]  # skipped rungs: the ladder says why
     lines += [f"{r.job}: contended, never ranked: {'; '.join(r.contention)}" for r in report.rows
               if r.contended and not r.ablation.get("rung")]
+    unknown = [r.job for r in report.rows if r.machine_unknown and not r.ablation.get("rung")]
+    lines += [f"{len(unknown)} job(s) have no contention figures in summary.json, so whether they had the machine is "
+              f"unknown: never ranked ({', '.join(unknown)})"] if unknown else []
     for a in report.ladders:
         where = f" ({a['root']})" if a["root"] else ""
         lines += [f"ladder{where}: {n}" for n in a["notes"]]

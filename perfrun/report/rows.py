@@ -52,6 +52,17 @@ class Row:
     device_type: str | None = None  # cuda | cpu | ...
     gpu_starved_pct: float | None = None  # CUDA: % of the step the GPU waited for its batch
 
+    @property
+    def quiet(self) -> bool:
+        """Measured to have had the machine to itself: the only jobs whose speed is counted."""
+        return self.contended is False
+
+    @property
+    def machine_unknown(self) -> bool:
+        """Completed, but whether it had the machine is unknown (its summary.json has no
+        contention figures): flagged, and never counted."""
+        return self.status == "completed" and self.contended is None
+
 
 @dataclass
 class Report:

@@ -222,7 +222,7 @@ class StepMetrics:
         self.gpu_wait_ms: list[float] | None = None
         self.timer, self.phases, self.memory = StepTimer(device), PhaseTimer(device), PeakMemory(device)
         self.monitor: Monitor | None = None
-        self.load: LoadMeter | None = None  # the host's CPU at log points when the monitor is off
+        self.load = LoadMeter()  # the host's CPU over the steady steps, whatever the monitor does
         self.host_wall: list[float] = []  # per step of this process, index = step - start_step - 1
         self.data_wait: list[float] = []
         self.loss_sum = torch.zeros((), device=device)
@@ -243,8 +243,6 @@ class StepMetrics:
             self.monitor = Monitor(device, cfg_monitor)
             self.monitor.start()
             stack.callback(self.monitor.close)
-        else:
-            self.load = LoadMeter()
 
     def start(self, step: int) -> None:
         """The loop starts after ``step`` steps (a resumed run's, whose tokens
@@ -252,8 +250,7 @@ class StepMetrics:
         self.start_step, self.tokens = step, self.start_tokens
         self.memory.reset()
         self._loop_t0 = time.perf_counter()
-        if self.load is not None:
-            self.load.start()
+        self.load.start()
         self.timer.start()
 
     def begin_step(self) -> None:
@@ -274,6 +271,8 @@ class StepMetrics:
         if len(self.host_wall) == 1:
             self.timer.flush()
             self.first_step_s = time.perf_counter() - self._loop_t0
+        if len(self.host_wall) == self.config.warmup_steps:
+            self.load.steady()
         self.reporter.advance(step)
 
     def keep_out_of_speed(self, step: int) -> None:
@@ -307,7 +306,7 @@ class StepMetrics:
         self.train_time += interval_time
         self.tokens += interval_tokens
         tokens_per_s = self.throughput.tokens_per_s(interval_time, n)
-        if self.load is not None:
+        if self.monitor is None:  # the monitor's intervals have their own step times
             self.load.interval(first, done, interval_time / n)
         self.last_train_loss = distributed.mean_over_ranks(self.loss_sum).item() / n  # the global batch's loss
         wall = sum(self.host_wall[first:done])
@@ -369,6 +368,7 @@ class StepMetrics:
 
     def summary(self, step: int) -> RunSummary:
         """The job's figures: medians over the steady steps (after ``warmup_steps``)."""
+        self.load.finish()
         self.timer.flush()
         warmup, durations = self.config.warmup_steps, self.timer.durations
         steady = [d for i, d in enumerate(durations) if i >= warmup and i not in self.untimed]
@@ -397,8 +397,7 @@ class StepMetrics:
         }
         if self.monitor is not None:
             result.update(self._monitor_summary())
-        if self.load is not None:
-            result["host_load"] = self.load.figures(warmup)
+        result["host_load"] = self.load.figures(warmup, len(steady))
         result.update(self.extra)
         return result
 
