@@ -126,7 +126,7 @@ def test_a_job_of_unknown_contention_is_flagged_and_feeds_neither_the_noise_nor_
     """The ladder of test_ladder (naive ~1000 tokens/s, compile 2x sdpa) with compile's three
     jobs and one naive job of unknown contention, that naive job 3x faster than its repeats:
     counted, it would widen the machine's noise to ±100 % and rank compile."""
-    from perfrun import report
+    from perfrun.ladder.analysis import read_sweep
     from perfrun.report import render
 
     plant_ladder(tmp_path)
@@ -142,7 +142,7 @@ def test_a_job_of_unknown_contention_is_flagged_and_feeds_neither_the_noise_nor_
     (naive / "summary.json").write_text(json.dumps(s))
     unknown(naive)
 
-    r = report.load([tmp_path])
+    r = read_sweep([tmp_path])
     (a,) = r.ladders
     assert a["machine_noise_pct"] == pytest.approx(3.0)  # 980..1040 of the five measured naive jobs
     entry = {e["rung"]: e for e in a["ladder"]}

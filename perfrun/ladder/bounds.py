@@ -56,7 +56,7 @@ def check_sweep(config: DictConfig) -> None:
 def _overrides(config: DictConfig) -> dict[str, Override]:
     """The sweep's overrides by key, the later of two with one key winning (as Hydra's basic
     sweeper takes them)."""
-    from perfrun.commands.sweep_plan import sweep_overrides
+    from perfrun.ladder.plan import sweep_overrides
 
     return {o.get_key_element(): o for o in sweep_overrides(config)}
 
@@ -79,7 +79,7 @@ def values_of(o: Override) -> int | None:
 def _check_size(config: DictConfig, overrides: dict[str, Override]) -> None:
     counts = {key.lstrip("+~"): values_of(o) for key, o in overrides.items()}
     if any(n is None for n in counts.values()):  # a glob: list the jobs (the repeats are bounded)
-        from perfrun.commands.sweep_plan import sweep_jobs
+        from perfrun.ladder.plan import sweep_jobs
 
         jobs = len(sweep_jobs(config))
     else:
