@@ -156,6 +156,13 @@ CASES = [
     Case("absurd gradient accumulation", ("train", "accumulation.steps=1000000000"), "more than 1024 micro-batches"),
     Case("a run dir the override grammar refuses", ("train", "hydra.run.dir={d}/run'1"),
          "the override grammar cannot read this value"),
+    Case("estimate: its output file read-only", ("estimate", "estimate.out={d}/read_only.json"),
+         "is read-only, so perfrun does not replace it"),
+    Case("estimate: its output file a folder", ("estimate", "estimate.out={d}/gpt2_config"), "is a folder"),
+    Case("estimate: its output file under a missing folder", ("estimate", "estimate.out={d}/nope/estimate.json"),
+         "/nope does not exist; create it"),
+    Case("estimate: a negative number of modules", ("estimate", "estimate.top=-1"), "estimate.top=-1 must be >= 0"),
+    Case("estimate: FSDP over no processes", ("estimate", "distributed=fsdp", "nproc=0"), "nproc=0 must be >= 1"),
     Case("a run dir name longer than the filesystem takes", ("train", "hydra.run.dir={d}/" + "r" * 300),
          "more than the 255 this filesystem allows"),
 ]
@@ -171,6 +178,8 @@ def make_fixtures(d: Path, good_checkpoint: Path, small_checkpoint: Path) -> Non
     header[:3] = (20240521, 1, 64)  # a date-like magic llm.c never used
     (d / "badmagic.bin").write_bytes(header.tobytes() + np.arange(64, dtype=np.uint16).tobytes())
     (d / "notes.txt").write_text("not a checkpoint\n")
+    (d / "read_only.json").write_text("{}\n")
+    (d / "read_only.json").chmod(0o444)
     raw = good_checkpoint.read_bytes()
     (d / "other_model.pt").write_bytes(raw)
     (d / "truncated.pt").write_bytes(raw[: len(raw) // 2])
