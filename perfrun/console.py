@@ -19,7 +19,8 @@ from rich.markup import escape
 
 
 def stderr_console() -> Console:
-    return Console(stderr=True, highlight=False, soft_wrap=True)
+    """No emoji codes: ``file.py:M: ...`` in a message is a path and a class, not ``:M:`` (Ⓜ)."""
+    return Console(stderr=True, highlight=False, soft_wrap=True, emoji=False)
 
 
 def error(message: str) -> None:

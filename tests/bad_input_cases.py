@@ -163,6 +163,26 @@ CASES = [
          "/nope does not exist; create it"),
     Case("estimate: a negative number of modules", ("estimate", "estimate.top=-1"), "estimate.top=-1 must be >= 0"),
     Case("estimate: FSDP over no processes", ("estimate", "distributed=fsdp", "nproc=0"), "nproc=0 must be >= 1"),
+    Case("a custom model with no parameters", ("train", "model=custom", "model.target={d}/user_code.py:NoParameters"),
+         "has no parameters to train"),
+    Case("a custom model that calls sys.exit in __init__", ("train", "model=custom", "model.target={d}/user_code.py:Exits"),
+         "its __init__ called sys.exit(3)"),
+    Case("a custom model whose module parses the command line at import",
+         ("train", "model=custom", "model.target={d}/parses_argv.py:Model"),
+         "parses_argv.py called sys.exit(2) after printing"),
+    Case("a custom dataset of no items", ("train", "data=custom", "data.target={d}/user_code.py:NoItems"),
+         "its __len__ returned 0"),
+    Case("a custom dataset of negative length", ("train", "data=custom", "data.target={d}/user_code.py:NegativeLength"),
+         "its __len__ returned -1"),
+    Case("a custom dataset that is iterable, not map-style", ("train", "data=custom", "data.target={d}/user_code.py:Stream"),
+         "has no __len__ (an iterable dataset?)"),
+    Case("a custom dataset of float inputs for a GPT", ("train", "data=custom", "data.target={d}/user_code.py:FloatIds"),
+         "train item 0's input is a torch.float32 tensor, not token ids"),
+    Case("a custom dataset with ids beyond its vocabulary", ("train", "data=custom", "data.target={d}/user_code.py:HighIds"),
+         "holds token id 100 but the vocabulary is 64"),
+    Case("a custom model of a smaller vocabulary than data=synthetic's",
+         ("train", "model=custom", "model.target={d}/user_code.py:SmallVocab", "data=synthetic"),
+         "takes token ids below 16 (its vocab_size) but data=synthetic has a vocabulary of 50257; set data.vocab_size=16"),
     Case("a run dir name longer than the filesystem takes", ("train", "hydra.run.dir={d}/" + "r" * 300),
          "more than the 255 this filesystem allows"),
 ]
@@ -202,6 +222,93 @@ def make_fixtures(d: Path, good_checkpoint: Path, small_checkpoint: Path) -> Non
         "tie_word_embeddings": True, "max_position_embeddings": 8192, "vocab_size": 49152}))
     damaged_resumes(d, small_checkpoint)
     untrusted_and_mistyped(d)
+    user_code(d)
+
+
+USER_CODE = """
+import sys
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import Dataset, IterableDataset
+
+
+class NoParameters(nn.Module):  # nothing for the optimizer to step
+    def forward(self, idx, targets=None):
+        logits = torch.zeros(*idx.shape, 64, requires_grad=True)
+        return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+class Exits(nn.Module):
+    def __init__(self):
+        super().__init__()
+        sys.exit(3)
+
+
+class SmallVocab(nn.Module):
+    def __init__(self, vocab_size=16):
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.embed, self.head = nn.Embedding(vocab_size, 8), nn.Linear(8, vocab_size)
+
+    def forward(self, idx, targets=None):
+        logits = self.head(self.embed(idx))
+        return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+class Tokens(Dataset):  # 64 windows of 32 ids below vocab_size, the item i's ids i, i+1, ...
+    vocab_size = 64
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        t = (torch.arange(33) + i) % self.vocab_size
+        return t[:-1], t[1:]
+
+
+class NoItems(Tokens):
+    def __len__(self):
+        return 0
+
+
+class NegativeLength(Tokens):
+    def __len__(self):
+        return -1
+
+
+class FloatIds(Tokens):
+    def __getitem__(self, i):
+        return tuple(t.float() for t in super().__getitem__(i))
+
+
+class HighIds(Tokens):  # says 64 ids, holds 100 in its first item
+    def __getitem__(self, i):
+        x, y = super().__getitem__(i)
+        x[3] = 100
+        return x, y
+
+
+class Stream(IterableDataset):
+    vocab_size = 64
+
+    def __iter__(self):
+        yield from (Tokens()[i] for i in range(64))
+"""
+
+
+def user_code(d: Path) -> None:
+    """A user's model and dataset classes, each wrong in one way, and a module that parses the
+    command line when imported. Compiled here, so importing them writes nothing beside them."""
+    import py_compile
+
+    (d / "user_code.py").write_text(USER_CODE)
+    (d / "parses_argv.py").write_text("import argparse\n\nparser = argparse.ArgumentParser()\n"
+                                      "parser.add_argument('--width', type=int, required=True)\n"
+                                      "args = parser.parse_args()\n\nfrom torch import nn\n\n\n"
+                                      "class Model(nn.Module):\n    pass\n")
+    for name in ("user_code.py", "parses_argv.py"):
+        py_compile.compile(str(d / name), doraise=True)
 
 
 def untrusted_and_mistyped(d: Path) -> None:
