@@ -183,6 +183,10 @@ CASES = [
     Case("a custom model of a smaller vocabulary than data=synthetic's",
          ("train", "model=custom", "model.target={d}/user_code.py:SmallVocab", "data=synthetic"),
          "takes token ids below 16 (its vocab_size) but data=synthetic has a vocabulary of 50257; set data.vocab_size=16"),
+    *[Case(f"a Llama's {key} not finite", ("train", "model=llama-tiny", f"model.{key}={value}"),
+           f"model.{key}={value} must be a finite number")
+      for key, value in (("rope_theta", "nan"), ("norm_eps", "inf"), ("rope_scaling.factor", "nan"),
+                         ("ffn_dim_multiplier", "inf"))],
     Case("a run dir name longer than the filesystem takes", ("train", "hydra.run.dir={d}/" + "r" * 300),
          "more than the 255 this filesystem allows"),
 ]
