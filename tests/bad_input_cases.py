@@ -187,6 +187,16 @@ CASES = [
            f"model.{key}={value} must be a finite number")
       for key, value in (("rope_theta", "nan"), ("norm_eps", "inf"), ("rope_scaling.factor", "nan"),
                          ("ffn_dim_multiplier", "inf"))],
+    Case("init_from a folder of NaN weights", ("train", "model.init_from={d}/nan_init"),
+         "nan_init: its weight blocks.0.attn.c_attn.weight holds 1 NaN or infinite values"),
+    Case("init_from a Llama config.json field of the wrong type", ("train", "model=llama-tiny",
+                                                                   "model.init_from={d}/llama_badtype"),
+         'llama_badtype/config.json: field num_hidden_layers is "thirty", not a whole number'),
+    Case("init_from a Llama config.json without a field of the shape", ("train", "model=llama-tiny",
+                                                                        "model.init_from={d}/llama_missing"),
+         "llama_missing/config.json: field hidden_size is missing"),
+    Case("init_from a GPT-2 config.json without a field of the shape", ("train", "model.init_from={d}/gpt2_missing"),
+         "gpt2_missing/config.json: field n_layer is missing"),
     Case("a run dir name longer than the filesystem takes", ("train", "hydra.run.dir={d}/" + "r" * 300),
          "more than the 255 this filesystem allows"),
 ]
@@ -219,11 +229,13 @@ def make_fixtures(d: Path, good_checkpoint: Path, small_checkpoint: Path) -> Non
     (d / "gpt2_config").mkdir()
     (d / "gpt2_config" / "config.json").write_text(json.dumps({
         "model_type": "gpt2", "n_layer": 12, "n_head": 12, "n_embd": 768, "n_positions": 1024, "vocab_size": 50257}))
-    (d / "llama_config").mkdir()  # SmolLM2-135M's config.json
-    (d / "llama_config" / "config.json").write_text(json.dumps({
-        "model_type": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
-        "num_attention_heads": 9, "num_key_value_heads": 3, "rope_theta": 100000, "rms_norm_eps": 1e-05,
-        "tie_word_embeddings": True, "max_position_embeddings": 8192, "vocab_size": 49152}))
+    smollm2 = {"model_type": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+               "num_attention_heads": 9, "num_key_value_heads": 3, "rope_theta": 100000, "rms_norm_eps": 1e-05,
+               "tie_word_embeddings": True, "max_position_embeddings": 8192, "vocab_size": 49152}
+    for name, config in (("llama_config", smollm2), ("llama_badtype", {**smollm2, "num_hidden_layers": "thirty"}),
+                         ("llama_missing", {k: v for k, v in smollm2.items() if k != "hidden_size"})):
+        (d / name).mkdir()
+        (d / name / "config.json").write_text(json.dumps(config))
     damaged_resumes(d, small_checkpoint)
     untrusted_and_mistyped(d)
     user_code(d)
@@ -327,8 +339,23 @@ def untrusted_and_mistyped(d: Path) -> None:
     (d / "pickle_bin" / "pytorch_model.bin").write_bytes(pickle.dumps({"call": print}))
     (d / "gpt2_badtype").mkdir()
     (d / "gpt2_badtype" / "config.json").write_text(json.dumps({**small, "n_layer": "one"}))
+    (d / "gpt2_missing").mkdir()
+    (d / "gpt2_missing" / "config.json").write_text(json.dumps({k: v for k, v in small.items() if k != "n_layer"}))
+    nan_init(d / "nan_init")
     (d / "unreadable_run").mkdir()
     (d / "unreadable_run" / "summary.json").write_text('{"status": "compl')
+
+
+def nan_init(folder: Path) -> None:
+    """A Hugging Face GPT-2 folder of SMALL's shape (as perfrun export writes it) with one NaN weight."""
+    from perfrun.models.gpt import GPT, GPTConfig, padded_vocab
+    from perfrun.models.hf_layout import export_safetensors
+
+    model = GPT(GPTConfig(vocab_size=padded_vocab(256), block_size=32, n_layer=1, n_head=2, n_embd=32, dropout=0.0,
+                          bias=True))
+    with torch.no_grad():
+        model.blocks[0].attn.c_attn.weight[0, 0] = float("nan")
+    export_safetensors(model, folder, 256, {})
 
 
 def damaged_resumes(d: Path, small_checkpoint: Path) -> None:
