@@ -197,6 +197,9 @@ CASES = [
          "llama_missing/config.json: field hidden_size is missing"),
     Case("init_from a GPT-2 config.json without a field of the shape", ("train", "model.init_from={d}/gpt2_missing"),
          "gpt2_missing/config.json: field n_layer is missing"),
+    Case("report of a summary.json of another shape", ("report", "{d}/wrong_shape_run"),
+         'wrong_shape_run/summary.json is not a perfrun summary: environment is "cpu", not an object or null',
+         small=False),
     Case("a run dir name longer than the filesystem takes", ("train", "hydra.run.dir={d}/" + "r" * 300),
          "more than the 255 this filesystem allows"),
 ]
@@ -344,6 +347,8 @@ def untrusted_and_mistyped(d: Path) -> None:
     nan_init(d / "nan_init")
     (d / "unreadable_run").mkdir()
     (d / "unreadable_run" / "summary.json").write_text('{"status": "compl')
+    (d / "wrong_shape_run").mkdir()
+    (d / "wrong_shape_run" / "summary.json").write_text('{"status": "completed", "environment": "cpu"}')
 
 
 def nan_init(folder: Path) -> None:
