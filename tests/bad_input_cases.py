@@ -200,6 +200,8 @@ CASES = [
     Case("report of a summary.json of another shape", ("report", "{d}/wrong_shape_run"),
          'wrong_shape_run/summary.json is not a perfrun summary: environment is "cpu", not an object or null',
          small=False),
+    Case("a run that will not fit the memory it is given, on the CPU", ("train", "memory.size=100KiB"),
+         "will not fit: its memory ESTIMATE"),
     Case("a run dir name longer than the filesystem takes", ("train", "hydra.run.dir={d}/" + "r" * 300),
          "more than the 255 this filesystem allows"),
 ]
