@@ -33,6 +33,16 @@ def warn(message: str) -> None:
     stderr_console().print(f"[bold yellow]perfrun: warning:[/] {escape(message)}")
 
 
+JSON_KINDS = {"str": "a string", "list": "a list", "dict": "an object", "int": "a whole number", "float": "a number",
+              "bool": "true or false", "NoneType": "null"}
+
+
+def json_kinds(types: tuple[type, ...]) -> str:
+    """What a JSON value of one of ``types`` is, in words (``(int, float, NoneType)``: "a number
+    or null"), for a line that says a file's field is of another type."""
+    return " or ".join(JSON_KINDS[t.__name__] for t in types if not (t is int and float in types))
+
+
 def first_line(exc: BaseException | str, limit: int = 160) -> str:
     """The first line of an exception's message (its type's name when it has none), cut to
     ``limit`` characters: what fits inside a one-line error."""

@@ -123,20 +123,19 @@ REPORTED_INSIDE: dict[tuple[str, str], tuple[type, ...]] = {
     ("contention", "contended"): (bool, type(None)), ("contention", "evidence"): (list, type(None)),
     **{("environment", key): (str, type(None)) for key in ("device_name", "device_type", "torch", "cuda")},
 }
-JSON_KINDS = {"str": "a string", "list": "a list", "dict": "an object", "int": "a whole number", "float": "a number",
-              "bool": "true or false", "NoneType": "null"}
 
 
 def shape_problem(data: dict[str, Any]) -> str | None:
     """The first key :data:`REPORTED` (or :data:`REPORTED_INSIDE`) names whose value is not of
     its type, said as ``key is VALUE, not TYPE``; None when the summary has the shape perfrun
     writes. Keys that are absent are fine (older runs lack some)."""
+    from perfrun.console import json_kinds
+
     checks = [(key, data.get(key), types) for key, types in REPORTED.items() if key in data]
     checks += [(f"{outer}.{inner}", data[outer][inner], types) for (outer, inner), types in REPORTED_INSIDE.items()
                if isinstance(data.get(outer), dict) and inner in data[outer]]
     for key, value, types in checks:
         if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
             shown = json.dumps(value, default=str)
-            kinds = [JSON_KINDS[t.__name__] for t in types if not (t is int and float in types)]
-            return f"{key} is {shown[:60]}, not {' or '.join(kinds)}"
+            return f"{key} is {shown[:60]}, not {json_kinds(types)}"
     return None

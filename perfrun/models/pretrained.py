@@ -33,7 +33,7 @@ from omegaconf import OmegaConf
 
 from perfrun.checkpoint.safe_loading import load_pt
 from perfrun.config import ConfigError, config_dir
-from perfrun.console import first_line
+from perfrun.console import first_line, json_kinds
 from perfrun.model_schema import ModelConfig
 from perfrun.models.gpt import GPT
 from perfrun.models.hf_layout import llama_state_dict, perfrun_state_dict
@@ -94,11 +94,14 @@ FIELD_TYPES: dict[str, dict[str, tuple[type, ...]]] = {
         "hidden_act": (str,), "rope_scaling": (dict, type(None)), "rope_parameters": (dict, type(None)),
     },
 }
+# the fields of Llama's RoPE object (``rope_scaling``, or transformers 5's ``rope_parameters``)
+ROPE_TYPES: dict[str, tuple[type, ...]] = {
+    "rope_theta": (int, float), "factor": (int, float), "low_freq_factor": (int, float),
+    "high_freq_factor": (int, float), "original_max_position_embeddings": (int,), "rope_type": (str,), "type": (str,),
+}
 # the fields a config.json of the family must have: the shape is read from them, with no default
 REQUIRED = {"gpt": ("n_layer", "n_head", "n_embd"),
             "llama": ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")}
-KINDS = {"int": "a whole number", "float": "a number", "str": "a string", "bool": "true or false",
-         "dict": "an object", "NoneType": "null"}
 
 
 def check_field_types(config: dict[str, Any], file: Path, family: str = "gpt") -> None:
@@ -112,15 +115,15 @@ def check_field_types(config: dict[str, Any], file: Path, family: str = "gpt") -
     if family == "gpt" and "n_positions" not in config and "n_ctx" not in config:
         raise ConfigError(f"{file}: field n_positions (or n_ctx) is missing, and the model's context is read from it; "
                           "add it to that file (or export the model again)")
-    for key, types in FIELD_TYPES[family].items():
-        value = config.get(key)
-        if key not in config:
-            continue
+    fields = [(key, config[key], types) for key, types in FIELD_TYPES[family].items() if key in config]
+    if family == "llama":
+        fields += [(f"{outer}.{key}", config[outer][key], types) for outer in ("rope_scaling", "rope_parameters")
+                   if isinstance(config.get(outer), dict) for key, types in ROPE_TYPES.items() if key in config[outer]]
+    for key, value, types in fields:
         wrong = (isinstance(value, bool) and bool not in types) or not isinstance(value, types) or (
             isinstance(value, float) and not math.isfinite(value))
         if wrong:
-            wanted = " or ".join(KINDS[t.__name__] for t in types)
-            raise ConfigError(f"{file}: field {key} is {json.dumps(value)}, not {wanted}; correct it in that file "
+            raise ConfigError(f"{file}: field {key} is {json.dumps(value)}, not {json_kinds(types)}; correct it in that file "
                               "(or export the model again)")
 
 
