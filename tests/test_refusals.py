@@ -12,7 +12,7 @@ from perfrun.config import ConfigError
 from perfrun.loop.run import run
 
 from bad_input_cases import SMALL
-from conftest import make_cfg
+from conftest import make_cfg, run_cli
 
 EXITS_IN_FORWARD = """
 import sys
@@ -56,3 +56,18 @@ def test_a_module_that_parses_the_command_line_at_import_sees_none_of_perfrun_s(
         "        sys.exit(4)", "        logits = self.layer(idx.float()[..., :2])\n"
         "        return logits, (logits.float().mean() - targets.float().mean()) ** 2"))
     assert run(make_cfg(*SMALL, "model=custom", f"model.target={code}:Model"), tmp_path / "run")["status"] == "completed"
+
+
+@pytest.mark.slow
+def test_a_module_that_exits_at_import_is_one_line_in_a_real_process(tmp_path: Path) -> None:
+    """perfrun's own command line is what such a module parsed (and exited on) before: the
+    process as a shell sees it, its exit code, its one line, and the summary it leaves."""
+    code = tmp_path / "needs_args.py"
+    code.write_text("import argparse\n\nparser = argparse.ArgumentParser()\n"
+                    "parser.add_argument('--width', type=int, required=True)\nparser.parse_args()\n")
+    r = run_cli("train", *SMALL, "model=custom", f"model.target={code}:Model", "hydra.run.dir=run", cwd=tmp_path)
+    errors = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.returncode == 2 and "Traceback" not in r.stdout + r.stderr
+    assert len(errors) == 1 and errors[0].startswith("perfrun: error: model.target="), r.stderr
+    assert "called sys.exit(2) after printing 'needs_args.py: error: the following arguments are required" in errors[0]
+    assert summary_of(tmp_path / "run")["status"] == "failed"
