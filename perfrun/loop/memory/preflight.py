@@ -101,8 +101,8 @@ def train_preflight(cfg: TrainConfig, vocab_size: int, device: torch.device, wor
                 f"model={cfg.model.name} at dataloader.batch_size={cfg.dataloader.batch_size} will not fit: its memory "
                 f"ESTIMATE is {gib(e.peak_bytes)} against {gib(limit)} ({where}), and a process that outgrows it is "
                 "killed with no word; use a smaller model, batch or data.seq_len (perfrun estimate with the same "
-                f"overrides and memory.size={limit // 2**20}MiB names the knob that fits), or memory.estimate=false "
-                "to start anyway")
+                f"overrides and memory.size={cfg.memory.size or f'{limit // 2**20}MiB'} names the knob that fits), or "
+                "memory.estimate=false to start anyway")
         if not doc["fits"]:
             fixes = what_fits(cfg, vocab_size, limit, first=True)
             doc["advice"] = advice(e, limit, where, fixes)
