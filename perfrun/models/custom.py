@@ -69,7 +69,7 @@ def check_forward(model: nn.Module, sample: torch.Tensor, target: torch.Tensor, 
     """One forward on a batch of one: it must return (logits or None, a scalar loss tensor)."""
     try:
         out = model(sample.unsqueeze(0), target.unsqueeze(0))
-    except Exception as e:  # noqa: BLE001 - the user's forward
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - the user's forward (an exit in it too)
         raise ConfigError(f"model {name}: forward(idx, targets) raised {type(e).__name__}: {first_line(e)}; "
                           "it must take a batch of the dataset's inputs and targets") from None
     ok = isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], torch.Tensor) and out[1].numel() == 1 \
