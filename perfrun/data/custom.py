@@ -8,6 +8,7 @@ input as perfrun's own datasets. The vocabulary (for a GPT or Llama on these ids
 
 from __future__ import annotations
 
+import operator
 from typing import TYPE_CHECKING
 
 import torch
@@ -47,9 +48,13 @@ def _length(dataset: object, target: str) -> int:
     if not hasattr(type(dataset), "__len__"):
         raise ConfigError(f"data.target={target} has no __len__ (an iterable dataset?); perfrun's resumable "
                           "sampler needs a map-style Dataset with __len__ and __getitem__")
-    n = type(dataset).__len__(dataset)  # type: ignore[attr-defined]
-    if not isinstance(n, int) or n < 1:
-        raise ConfigError(f"data.target={target}: its __len__ returned {n!r}, so there is nothing to train on; "
+    raw = type(dataset).__len__(dataset)  # type: ignore[attr-defined]  # what len() refuses, said as returned
+    try:
+        n = operator.index(raw)  # a numpy integer is a length too, as for len()
+    except TypeError:
+        n = 0
+    if n < 1:
+        raise ConfigError(f"data.target={target}: its __len__ returned {raw!r}, so there is nothing to train on; "
                           "it must return the number of items (>= 2: one at least for training, one for validation)")
     return n
 
