@@ -61,7 +61,8 @@ def instantiate(target: str, args: Mapping[str, Any], what: str, **given: Any) -
     cls = load_class(target, what)
     kwargs = {**given, **{str(k): _plain(v) for k, v in args.items()}}
     try:
-        return _as_a_library(lambda: cls(**kwargs), f"{what}={target}: its __init__", target)
+        module = target.rpartition(":")[0] if ".py:" in target else target.rpartition(".")[0]
+        return _as_a_library(lambda: cls(**kwargs), f"{what}={target}: its __init__", Path(module).name)
     except ConfigError:
         raise
     except Exception as e:  # noqa: BLE001 - the user's constructor
@@ -72,10 +73,11 @@ def instantiate(target: str, args: Mapping[str, Any], what: str, **given: Any) -
 
 def _as_a_library(call: Callable[[], T], doing: str, program: str) -> T:
     """``call()`` (an import or a constructor of the user's) as library code: it sees a command
-    line of no arguments, as ``program`` run alone would (``sys.argv`` holds perfrun's own), and a ``sys.exit`` in it (an
-    argument parser at import, an exit in ``__init__``) becomes one ConfigError line, with the
-    last line the code printed on stderr (an argument parser's complaint), instead of ending
-    perfrun there. What it prints on stderr otherwise is passed on once it returns."""
+    line of no arguments, as ``program`` run alone would (``sys.argv`` holds perfrun's own),
+    and a ``sys.exit`` in it (an argument parser at import, an exit in ``__init__``) becomes
+    one ConfigError line, with the last line the code printed on stderr (an argument parser's
+    complaint), instead of ending perfrun there. What it prints on stderr otherwise is passed
+    on once it returns."""
     printed = io.StringIO()
     argv = sys.argv
     sys.argv = [program]

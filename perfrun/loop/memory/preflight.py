@@ -6,9 +6,9 @@ against the device's memory. Estimates, said so.
 On the CPU the estimate is made when ``memory.size`` is given, or when two bounds below what
 a step takes (the training state at 16 bytes a parameter, counted on the meta device, and the
 logits with their gradient) reach half the memory there is: a run that may not fit is
-estimated, a small one costs nothing. A run that will not fit is refused
-there, not warned: a process that outgrows the machine's memory is killed by the kernel with
-no word and no summary, where a GPU's out-of-memory error is caught and explained."""
+estimated, a small one costs nothing. A run that will not fit is refused there, not warned:
+a process that outgrows the machine's memory is killed by the kernel with no word and no
+summary, where a GPU's out-of-memory error is caught and explained."""
 
 from __future__ import annotations
 
