@@ -145,7 +145,7 @@ class MemoryConfig:
     (perfrun/memory/): the tracked step of a run, the estimate said before step 1."""
 
     breakdown: bool = False  # one step after the warm-up runs under torch's memory tracker
-    estimate: bool | None = None  # the estimate in the log's first lines; null: on CUDA only
+    estimate: bool | None = None  # the estimate in the log's first lines; null: on CUDA, on the CPU where it may not fit
     size: str | None = None  # the memory to fit into, e.g. 80GiB; null: the visible GPU's
 
 

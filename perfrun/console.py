@@ -19,7 +19,8 @@ from rich.markup import escape
 
 
 def stderr_console() -> Console:
-    return Console(stderr=True, highlight=False, soft_wrap=True)
+    """No emoji codes: ``file.py:M: ...`` in a message is a path and a class, not ``:M:`` (Ⓜ)."""
+    return Console(stderr=True, highlight=False, soft_wrap=True, emoji=False)
 
 
 def error(message: str) -> None:
@@ -30,6 +31,16 @@ def error(message: str) -> None:
 def warn(message: str) -> None:
     """``perfrun: warning: MESSAGE`` in yellow on stderr; the message is printed as is."""
     stderr_console().print(f"[bold yellow]perfrun: warning:[/] {escape(message)}")
+
+
+JSON_KINDS = {"str": "a string", "list": "a list", "dict": "an object", "int": "a whole number", "float": "a number",
+              "bool": "true or false", "NoneType": "null"}
+
+
+def json_kinds(types: tuple[type, ...]) -> str:
+    """What a JSON value of one of ``types`` is, in words (``(int, float, NoneType)``: "a number
+    or null"), for a line that says a file's field is of another type."""
+    return " or ".join(JSON_KINDS[t.__name__] for t in types if not (t is int and float in types))
 
 
 def first_line(exc: BaseException | str, limit: int = 160) -> str:

@@ -10,6 +10,7 @@ that sets one away from its default is refused rather than silently ignored.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -102,6 +103,17 @@ def model_problem(m: ModelConfig) -> str | None:
 
 
 def _llama_problem(m: ModelConfig) -> str | None:
+    s = m.rope_scaling
+    scaling = RopeScalingConfig()
+    for key, value, default in (("rope_theta", m.rope_theta, ModelConfig.rope_theta),
+                                ("norm_eps", m.norm_eps, ModelConfig.norm_eps),
+                                ("ffn_dim_multiplier", m.ffn_dim_multiplier, None),
+                                ("rope_scaling.factor", s.factor, scaling.factor),
+                                ("rope_scaling.low_freq_factor", s.low_freq_factor, scaling.low_freq_factor),
+                                ("rope_scaling.high_freq_factor", s.high_freq_factor, scaling.high_freq_factor)):
+        if value is not None and not math.isfinite(value):  # nan passes every comparison below
+            return (f"model.{key}={value} must be a finite number; give the model's own value "
+                    f"(its config.json has it), or model.{key}={'null' if default is None else default}, the default")
     kv = m.n_head if m.n_kv_head is None else m.n_kv_head
     if kv < 1 or m.n_head % kv != 0:
         return (f"model.n_head={m.n_head} is not divisible by model.n_kv_head={kv}; grouped-query attention shares "
@@ -116,7 +128,6 @@ def _llama_problem(m: ModelConfig) -> str | None:
         return f"model.multiple_of={m.multiple_of} must be >= 1 and model.ffn_dim_multiplier > 0 (or null)"
     if m.rope_theta <= 0 or m.norm_eps <= 0:
         return f"model.rope_theta={m.rope_theta} and model.norm_eps={m.norm_eps} must be > 0"
-    s = m.rope_scaling
     if s.factor < 1 or s.original_max_position_embeddings < 1 or not 0 < s.low_freq_factor < s.high_freq_factor:
         return (f"model.rope_scaling (factor {s.factor}, low_freq_factor {s.low_freq_factor}, high_freq_factor "
                 f"{s.high_freq_factor}, original_max_position_embeddings {s.original_max_position_embeddings}) needs "

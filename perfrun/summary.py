@@ -106,3 +106,36 @@ def read_summary(path: Path) -> RunSummary:
     if not isinstance(data, dict):
         raise ValueError(f"{path} does not hold a JSON object")
     return data  # type: ignore[return-value]
+
+
+# What perfrun report reads of a summary.json, and the JSON types each may have (a figure is a
+# number or null, never a bool or a string): a summary.json of another shape is said, not drawn.
+NUMBER = (int, float, type(None))
+REPORTED: dict[str, tuple[type, ...]] = {
+    "status": (str,), "reason": (str, type(None)), "overrides": (list, type(None)), "config": (dict, type(None)),
+    "knobs": (dict, type(None)), "environment": (dict, type(None)), "contention": (dict, type(None)),
+    "peak_mem_source": (str, type(None)), **{key: NUMBER for key in (
+        "tokens_per_s_median", "mfu_median", "peak_mem_mib", "host_data_wait_pct", "data_wait_pct",
+        "gpu_starved_pct", "final_train_loss", "final_val_loss", "first_step_s")},
+}
+REPORTED_INSIDE: dict[tuple[str, str], tuple[type, ...]] = {
+    ("config", "ablation"): (dict, type(None)), ("config", "repeat"): (int, type(None)),
+    ("contention", "contended"): (bool, type(None)), ("contention", "evidence"): (list, type(None)),
+    **{("environment", key): (str, type(None)) for key in ("device_name", "device_type", "torch", "cuda")},
+}
+
+
+def shape_problem(data: dict[str, Any]) -> str | None:
+    """The first key :data:`REPORTED` (or :data:`REPORTED_INSIDE`) names whose value is not of
+    its type, said as ``key is VALUE, not TYPE``; None when the summary has the shape perfrun
+    writes. Keys that are absent are fine (older runs lack some)."""
+    from perfrun.console import json_kinds
+
+    checks = [(key, data.get(key), types) for key, types in REPORTED.items() if key in data]
+    checks += [(f"{outer}.{inner}", data[outer][inner], types) for (outer, inner), types in REPORTED_INSIDE.items()
+               if isinstance(data.get(outer), dict) and inner in data[outer]]
+    for key, value, types in checks:
+        if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
+            shown = json.dumps(value, default=str)
+            return f"{key} is {shown[:60]}, not {json_kinds(types)}"
+    return None

@@ -8,15 +8,19 @@ reads (config, checkpoints, data files) runs code. Each failure is one ConfigErr
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
+import io
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from perfrun.config import ConfigError
 from perfrun.console import first_line
+
+T = TypeVar("T")
 
 
 def load_class(target: str, what: str) -> Any:
@@ -25,8 +29,9 @@ def load_class(target: str, what: str) -> Any:
     if not sep or not module_name or not name:
         raise ConfigError(f"{what}={target} is not pkg.module.ClassName or path/to/file.py:ClassName; give one of those")
     try:
-        module = _import_file(Path(module_name).expanduser(), what) if module_name.endswith(".py") \
-            else importlib.import_module(module_name)
+        module = _as_a_library(lambda: _import_file(Path(module_name).expanduser(), what)
+                               if module_name.endswith(".py") else importlib.import_module(module_name),
+                               f"{what}={target}: importing {module_name}", Path(module_name).name)
     except ConfigError:
         raise
     except Exception as e:  # noqa: BLE001 - the user's module: whatever it raises is one line
@@ -56,11 +61,41 @@ def instantiate(target: str, args: Mapping[str, Any], what: str, **given: Any) -
     cls = load_class(target, what)
     kwargs = {**given, **{str(k): _plain(v) for k, v in args.items()}}
     try:
-        return cls(**kwargs)
+        module = target.rpartition(":")[0] if ".py:" in target else target.rpartition(".")[0]
+        return _as_a_library(lambda: cls(**kwargs), f"{what}={target}: its __init__", Path(module).name)
+    except ConfigError:
+        raise
     except Exception as e:  # noqa: BLE001 - the user's constructor
         shown = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
         raise ConfigError(f"{what}={target}({shown}) raised {type(e).__name__}: {first_line(e)}; "
                           f"fix the class or its arguments ({what.rsplit('.', 1)[0]}.args)") from None
+
+
+def _as_a_library(call: Callable[[], T], doing: str, program: str) -> T:
+    """``call()`` (an import or a constructor of the user's) as library code: it sees a command
+    line of no arguments, as ``program`` run alone would (``sys.argv`` holds perfrun's own),
+    and a ``sys.exit`` in it (an argument parser at import, an exit in ``__init__``) becomes
+    one ConfigError line, with the last line the code printed on stderr (an argument parser's
+    complaint), instead of ending perfrun there. What it prints on stderr otherwise is passed
+    on once it returns."""
+    printed = io.StringIO()
+    argv = sys.argv
+    sys.argv = [program]
+    try:
+        with contextlib.redirect_stderr(printed):
+            result = call()
+    except SystemExit as e:
+        said = [line.strip() for line in printed.getvalue().splitlines() if line.strip()]
+        why = f" after printing {said[-1]!r}" if said else ""
+        raise ConfigError(f"{doing} called sys.exit({e.code}){why}; perfrun imports and builds it as a library: "
+                          "keep command-line parsing and exits under if __name__ == '__main__'") from None
+    except BaseException:
+        sys.stderr.write(printed.getvalue())
+        raise
+    finally:
+        sys.argv = argv
+    sys.stderr.write(printed.getvalue())
+    return result
 
 
 def _plain(value: Any) -> Any:

@@ -71,7 +71,12 @@ def main() -> int:
         "(`test_out_of_memory_becomes_advice`). In `tests/test_nothing_lost.py`: a real full disk (a 2 MiB",
         "tmpfs) as checkpoint.dir, as hydra.run.dir and as an export target, a second job in a run dir",
         "that another holds, an unexpected exception in a job and in a sweep's job, and a refused",
-        "command on a completed run.",
+        "command on a completed run. In `tests/test_refusals.py`: a `sys.exit` in a user's model (in `__init__`",
+        "and in its forward) leaves a `failed` summary.json, never `running`, and a module that parses the",
+        "command line at import sees none of perfrun's (and, in a real process, one that exits on it is one",
+        "line). In `tests/test_estimate.py`: a CPU run whose estimate is beyond this machine's available memory",
+        "is refused before anything is allocated (a shape of 206 billion parameters, estimated under fake",
+        "tensors), and on a GPU the same estimate is a warning naming the knob that fits.",
         "",
     ]
     args.out.parent.mkdir(parents=True, exist_ok=True)

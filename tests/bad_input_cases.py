@@ -156,6 +156,52 @@ CASES = [
     Case("absurd gradient accumulation", ("train", "accumulation.steps=1000000000"), "more than 1024 micro-batches"),
     Case("a run dir the override grammar refuses", ("train", "hydra.run.dir={d}/run'1"),
          "the override grammar cannot read this value"),
+    Case("estimate: its output file read-only", ("estimate", "estimate.out={d}/read_only.json"),
+         "is read-only, so perfrun does not replace it"),
+    Case("estimate: its output file a folder", ("estimate", "estimate.out={d}/gpt2_config"), "is a folder"),
+    Case("estimate: its output file under a missing folder", ("estimate", "estimate.out={d}/nope/estimate.json"),
+         "/nope does not exist; create it"),
+    Case("estimate: a negative number of modules", ("estimate", "estimate.top=-1"), "estimate.top=-1 must be >= 0"),
+    Case("estimate: FSDP over no processes", ("estimate", "distributed=fsdp", "nproc=0"), "nproc=0 must be >= 1"),
+    Case("a custom model with no parameters", ("train", "model=custom", "model.target={d}/user_code.py:NoParameters"),
+         "has no parameters to train"),
+    Case("a custom model that calls sys.exit in __init__", ("train", "model=custom", "model.target={d}/user_code.py:Exits"),
+         "its __init__ called sys.exit(3)"),
+    Case("a custom model whose module parses the command line at import",
+         ("train", "model=custom", "model.target={d}/parses_argv.py:Model"),
+         "parses_argv.py called sys.exit(2) after printing"),
+    Case("a custom dataset of no items", ("train", "data=custom", "data.target={d}/user_code.py:NoItems"),
+         "its __len__ returned 0"),
+    Case("a custom dataset of negative length", ("train", "data=custom", "data.target={d}/user_code.py:NegativeLength"),
+         "its __len__ returned -1"),
+    Case("a custom dataset that is iterable, not map-style", ("train", "data=custom", "data.target={d}/user_code.py:Stream"),
+         "has no __len__ (an iterable dataset?)"),
+    Case("a custom dataset of float inputs for a GPT", ("train", "data=custom", "data.target={d}/user_code.py:FloatIds"),
+         "train item 0's input is a torch.float32 tensor, not token ids"),
+    Case("a custom dataset with ids beyond its vocabulary", ("train", "data=custom", "data.target={d}/user_code.py:HighIds"),
+         "holds token id 100 but the vocabulary is 64"),
+    Case("a custom model of a smaller vocabulary than data=synthetic's",
+         ("train", "model=custom", "model.target={d}/user_code.py:SmallVocab", "data=synthetic"),
+         "takes token ids below 16 (its vocab_size) but data=synthetic has a vocabulary of 50257; set data.vocab_size=16"),
+    *[Case(f"a Llama's {key} not finite", ("train", "model=llama-tiny", f"model.{key}={value}"),
+           f"model.{key}={value} must be a finite number")
+      for key, value in (("rope_theta", "nan"), ("norm_eps", "inf"), ("rope_scaling.factor", "nan"),
+                         ("ffn_dim_multiplier", "inf"))],
+    Case("init_from a folder of NaN weights", ("train", "model.init_from={d}/nan_init"),
+         "nan_init: its weight blocks.0.attn.c_attn.weight holds 1 NaN or infinite values"),
+    Case("init_from a Llama config.json field of the wrong type", ("train", "model=llama-tiny",
+                                                                   "model.init_from={d}/llama_badtype"),
+         'llama_badtype/config.json: field num_hidden_layers is "thirty", not a whole number'),
+    Case("init_from a Llama config.json without a field of the shape", ("train", "model=llama-tiny",
+                                                                        "model.init_from={d}/llama_missing"),
+         "llama_missing/config.json: field hidden_size is missing"),
+    Case("init_from a GPT-2 config.json without a field of the shape", ("train", "model.init_from={d}/gpt2_missing"),
+         "gpt2_missing/config.json: field n_layer is missing"),
+    Case("report of a summary.json of another shape", ("report", "{d}/wrong_shape_run"),
+         'wrong_shape_run/summary.json is not a perfrun summary: environment is "cpu", not an object or null',
+         small=False),
+    Case("a run that will not fit the memory it is given, on the CPU", ("train", "memory.size=100KiB"),
+         "will not fit: its memory ESTIMATE"),
     Case("a run dir name longer than the filesystem takes", ("train", "hydra.run.dir={d}/" + "r" * 300),
          "more than the 255 this filesystem allows"),
     Case("int8 report of a checkpoint that records a data class", ("export", "checkpoint={d}/records_data_class.pt",
@@ -189,6 +235,8 @@ def make_fixtures(d: Path, good_checkpoint: Path, small_checkpoint: Path) -> Non
     header[:3] = (20240521, 1, 64)  # a date-like magic llm.c never used
     (d / "badmagic.bin").write_bytes(header.tobytes() + np.arange(64, dtype=np.uint16).tobytes())
     (d / "notes.txt").write_text("not a checkpoint\n")
+    (d / "read_only.json").write_text("{}\n")
+    (d / "read_only.json").chmod(0o444)
     raw = good_checkpoint.read_bytes()
     (d / "other_model.pt").write_bytes(raw)
     (d / "truncated.pt").write_bytes(raw[: len(raw) // 2])
@@ -204,14 +252,103 @@ def make_fixtures(d: Path, good_checkpoint: Path, small_checkpoint: Path) -> Non
     (d / "gpt2_config").mkdir()
     (d / "gpt2_config" / "config.json").write_text(json.dumps({
         "model_type": "gpt2", "n_layer": 12, "n_head": 12, "n_embd": 768, "n_positions": 1024, "vocab_size": 50257}))
-    (d / "llama_config").mkdir()  # SmolLM2-135M's config.json
-    (d / "llama_config" / "config.json").write_text(json.dumps({
-        "model_type": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
-        "num_attention_heads": 9, "num_key_value_heads": 3, "rope_theta": 100000, "rms_norm_eps": 1e-05,
-        "tie_word_embeddings": True, "max_position_embeddings": 8192, "vocab_size": 49152}))
+    smollm2 = {"model_type": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+               "num_attention_heads": 9, "num_key_value_heads": 3, "rope_theta": 100000, "rms_norm_eps": 1e-05,
+               "tie_word_embeddings": True, "max_position_embeddings": 8192, "vocab_size": 49152}
+    for name, config in (("llama_config", smollm2), ("llama_badtype", {**smollm2, "num_hidden_layers": "thirty"}),
+                         ("llama_missing", {k: v for k, v in smollm2.items() if k != "hidden_size"})):
+        (d / name).mkdir()
+        (d / name / "config.json").write_text(json.dumps(config))
     damaged_resumes(d, small_checkpoint)
     untrusted_and_mistyped(d)
     recorded_code(d, small_checkpoint)
+    user_code(d)
+
+
+USER_CODE = """
+import sys
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import Dataset, IterableDataset
+
+
+class NoParameters(nn.Module):  # nothing for the optimizer to step
+    def forward(self, idx, targets=None):
+        logits = torch.zeros(*idx.shape, 64, requires_grad=True)
+        return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+class Exits(nn.Module):
+    def __init__(self):
+        super().__init__()
+        sys.exit(3)
+
+
+class SmallVocab(nn.Module):
+    def __init__(self, vocab_size=16):
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.embed, self.head = nn.Embedding(vocab_size, 8), nn.Linear(8, vocab_size)
+
+    def forward(self, idx, targets=None):
+        logits = self.head(self.embed(idx))
+        return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+class Tokens(Dataset):  # 64 windows of 32 ids below vocab_size, the item i's ids i, i+1, ...
+    vocab_size = 64
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        t = (torch.arange(33) + i) % self.vocab_size
+        return t[:-1], t[1:]
+
+
+class NoItems(Tokens):
+    def __len__(self):
+        return 0
+
+
+class NegativeLength(Tokens):
+    def __len__(self):
+        return -1
+
+
+class FloatIds(Tokens):
+    def __getitem__(self, i):
+        return tuple(t.float() for t in super().__getitem__(i))
+
+
+class HighIds(Tokens):  # says 64 ids, holds 100 in its first item
+    def __getitem__(self, i):
+        x, y = super().__getitem__(i)
+        x[3] = 100
+        return x, y
+
+
+class Stream(IterableDataset):
+    vocab_size = 64
+
+    def __iter__(self):
+        yield from (Tokens()[i] for i in range(64))
+"""
+
+
+def user_code(d: Path) -> None:
+    """A user's model and dataset classes, each wrong in one way, and a module that parses the
+    command line when imported. Compiled here, so importing them writes nothing beside them."""
+    import py_compile
+
+    (d / "user_code.py").write_text(USER_CODE)
+    (d / "parses_argv.py").write_text("import argparse\n\nparser = argparse.ArgumentParser()\n"
+                                      "parser.add_argument('--width', type=int, required=True)\n"
+                                      "args = parser.parse_args()\n\nfrom torch import nn\n\n\n"
+                                      "class Model(nn.Module):\n    pass\n")
+    for name in ("user_code.py", "parses_argv.py"):
+        py_compile.compile(str(d / name), doraise=True)
 
 
 def untrusted_and_mistyped(d: Path) -> None:
@@ -226,8 +363,25 @@ def untrusted_and_mistyped(d: Path) -> None:
     (d / "pickle_bin" / "pytorch_model.bin").write_bytes(pickle.dumps({"call": print}))
     (d / "gpt2_badtype").mkdir()
     (d / "gpt2_badtype" / "config.json").write_text(json.dumps({**small, "n_layer": "one"}))
+    (d / "gpt2_missing").mkdir()
+    (d / "gpt2_missing" / "config.json").write_text(json.dumps({k: v for k, v in small.items() if k != "n_layer"}))
+    nan_init(d / "nan_init")
     (d / "unreadable_run").mkdir()
     (d / "unreadable_run" / "summary.json").write_text('{"status": "compl')
+    (d / "wrong_shape_run").mkdir()
+    (d / "wrong_shape_run" / "summary.json").write_text('{"status": "completed", "environment": "cpu"}')
+
+
+def nan_init(folder: Path) -> None:
+    """A Hugging Face GPT-2 folder of SMALL's shape (as perfrun export writes it) with one NaN weight."""
+    from perfrun.models.gpt import GPT, GPTConfig, padded_vocab
+    from perfrun.models.hf_layout import export_safetensors
+
+    model = GPT(GPTConfig(vocab_size=padded_vocab(256), block_size=32, n_layer=1, n_head=2, n_embd=32, dropout=0.0,
+                          bias=True))
+    with torch.no_grad():
+        model.blocks[0].attn.c_attn.weight[0, 0] = float("nan")
+    export_safetensors(model, folder, 256, {})
 
 
 def damaged_resumes(d: Path, small_checkpoint: Path) -> None:

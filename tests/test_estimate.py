@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from perfrun.commands import estimate as estimate_command
+from perfrun.config import ConfigError
 from perfrun.memory.batch_size import largest_batch
 from perfrun.memory.estimate import EstimateError, estimate, optimizer_state
 from perfrun.memory.fit import parse_size
@@ -219,15 +220,33 @@ def test_a_memory_size_that_is_no_size_is_refused_before_any_work(capsys: pytest
 
 
 def test_the_train_log_says_the_estimate_and_warns_before_step_1(caplog: pytest.LogCaptureFixture) -> None:
+    """On a GPU a configuration that will not fit is warned (an out-of-memory error there is
+    caught and explained); on the CPU it is refused (the kernel ends such a process with no
+    word). The device is read only for its type, and memory.size stands for its memory, so
+    the GPU's branch runs on any machine."""
     from perfrun.memory.preflight import train_preflight
 
     cpu = torch.device("cpu")
-    assert train_preflight(make_cfg(*SMALL), VOCAB, cpu, 1) is None  # off on the CPU unless asked
+    assert train_preflight(make_cfg(*SMALL), VOCAB, cpu, 1) is None  # a small run on the CPU is not estimated
     peak = estimate(make_cfg(*SMALL), VOCAB, top=0).peak_bytes
     cfg = make_cfg(*SMALL, "memory.estimate=true", f"memory.size={int(peak * 0.8)}B")
     with caplog.at_level("INFO", logger="perfrun"):
-        doc = train_preflight(cfg, VOCAB, cpu, 1)
+        doc = train_preflight(cfg, VOCAB, torch.device("cuda"), 1)
     assert doc is not None and doc["kind"] == "estimate" and doc["measured"] is False and doc["fits"] is False
     said = [r for r in caplog.records if r.getMessage().startswith("memory ESTIMATE (not measured):")]
     warned = [r for r in caplog.records if r.levelname == "WARNING" and "will not fit" in r.getMessage()]
     assert len(said) == 1 and len(warned) == 1 and "makes it fit" in warned[0].getMessage()
+    with pytest.raises(ConfigError, match=r"will not fit: its memory ESTIMATE .* \(memory.size=.*memory.estimate=false"):
+        train_preflight(cfg, VOCAB, cpu, 1)
+
+
+def test_a_cpu_run_beyond_this_machine_s_memory_is_refused_before_anything_is_allocated() -> None:
+    """Four blocks 65536 wide: 206 billion parameters, terabytes by any count, more than any
+    machine running this has available. Estimated by default on the CPU (its parameters are
+    counted on the meta device) under fake tensors: refused, nothing allocated."""
+    from perfrun.memory.preflight import train_preflight
+
+    huge = make_cfg(*SMALL, "model.n_layer=4", "model.n_embd=65536", "model.n_head=64", "dataloader.batch_size=1",
+                    "device=cpu")
+    with pytest.raises(ConfigError, match=r"will not fit: its memory ESTIMATE .* \(this machine's available memory\)"):
+        train_preflight(huge, VOCAB, torch.device("cpu"), 1)

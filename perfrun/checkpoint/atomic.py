@@ -12,6 +12,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
+from perfrun.config import ConfigError
+
 
 def fsync_dir(folder: Path) -> None:
     fd = os.open(folder, os.O_RDONLY)
@@ -41,6 +43,24 @@ def atomic_write(path: Path, data: bytes | memoryview | str | Callable[[IO[bytes
         raise
     fsync_dir(path.parent)
     return path
+
+
+def check_out_file(path: Path, key: str, example: str = "out.json") -> None:
+    """Refuse, before any work, a file a command was asked to write that it cannot or must not:
+    a folder, a file under a folder that does not exist, a folder that is not writable, or a
+    read-only file. Read-only is the file's own mode (no write bit), not only this process's
+    access to it: ``chmod a-w`` protects a file from perfrun even when it runs as root."""
+    if path.is_dir():
+        raise ConfigError(f"{key}={path} is a folder; give a file name, such as {key}={path / example}")
+    folder = path.parent
+    if not folder.is_dir():
+        raise ConfigError(f"{key}={path}: its folder {folder} does not exist; create it (mkdir -p {folder}) "
+                          f"or choose another {key}")
+    if path.exists() and (not os.access(path, os.W_OK) or not path.stat().st_mode & 0o222):
+        raise ConfigError(f"{key}={path} is read-only, so perfrun does not replace it; choose another {key}, "
+                          f"or make it writable (chmod u+w {path})")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ConfigError(f"{key}={path}: its folder {folder} is not writable; choose another {key}")
 
 
 def json_safe(obj: Any) -> Any:

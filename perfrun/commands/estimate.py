@@ -18,10 +18,11 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from perfrun.checkpoint.atomic import atomic_write, check_out_file
 from perfrun.commands.hydra_app import HydraCommand
 from perfrun.config import ConfigError, TrainConfig
 from perfrun.console import error
-from perfrun.validate import validate
+from perfrun.validate import check_distributed, validate
 
 CAP = 4096  # the largest batch the search tries
 
@@ -35,6 +36,14 @@ class EstimateOptions:
     fit: bool = field(default=True, metadata={"help": "find the largest batch that fits and, when it does not "
                                                       "fit, the knob that would (more estimates)"})
     out: str | None = field(default=None, metadata={"help": "also write the JSON document to this file"})
+
+    def check(self) -> None:
+        """Before any work: a negative ``top``, or an ``out`` that cannot be written (a folder,
+        under a missing folder, a read-only file), is refused in one line."""
+        if self.top < 0:
+            raise ConfigError(f"estimate.top={self.top} must be >= 0 (the number of modules listed); e.g. estimate.top=10")
+        if self.out:
+            check_out_file(Path(self.out).expanduser(), "estimate.out", "estimate.json")
 
 
 @dataclass
@@ -70,7 +79,9 @@ def run(cfg: EstimateJobConfig) -> int:
     from perfrun.memory.estimate import EstimateError
 
     try:
+        cfg.estimate.check()
         validate(replace(cfg, nproc=1))  # nproc ranks are estimated here, not started (no torchrun to check)
+        check_distributed(cfg, world=max(1, cfg.nproc))  # train's rules for distributed and nproc, as if started
         document, lines = _estimate(cfg)
     except ConfigError as e:
         error(str(e))
@@ -80,7 +91,13 @@ def run(cfg: EstimateJobConfig) -> int:
         return 1
     text = json.dumps(document, indent=2)
     if cfg.estimate.out:
-        Path(cfg.estimate.out).write_text(text + "\n", encoding="utf-8")
+        out = Path(cfg.estimate.out).expanduser()
+        try:
+            atomic_write(out, text + "\n")
+        except OSError as e:
+            error(f"estimate.out={cfg.estimate.out} could not be written ({e.strerror or e}); "
+                  "choose a writable estimate.out")
+            return 2
     print(text if cfg.estimate.json else "\n".join(lines), file=sys.stdout)
     return 0
 

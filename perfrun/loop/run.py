@@ -124,6 +124,9 @@ def run(cfg: TrainConfig, run_dir: Path | None, *, overrides: list[str] | None =
         where = f"; the traceback is in {run_dir / 'train.log'}" if run_dir is not None else ""
         raise RunFailed(f"the run failed: {summary['reason']}{where}") from e
     finally:
+        if summary["status"] == "running":  # a BaseException none of the above names (sys.exit in user code)
+            summary["status"] = "failed"
+            summary["reason"] = unexpected_reason(sys.exc_info()[1] or RuntimeError("the job ended without a status"))
         _release(device)
         summary["global_state_at_start"] = state_at_start
         summary["global_state_after"] = global_state()

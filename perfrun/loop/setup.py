@@ -14,6 +14,7 @@ import torch
 from perfrun import distributed
 from perfrun.config import ConfigError, TrainConfig, as_dict
 from perfrun.data import build_datasets, build_loader
+from perfrun.data.custom import check_token_ids
 from perfrun.environment import device_name
 from perfrun.knobs import Plan, apply_knobs, fp8, fsdp, refuse_unmet
 from perfrun.loop.host_heap import keep_freed_memory
@@ -22,7 +23,7 @@ from perfrun.memory.found_batches import FoundBatches
 from perfrun.memory.preflight import train_preflight
 from perfrun.models.build import build_model
 from perfrun.models.contract import describe, knob_fits, model_class, parameter_counts
-from perfrun.models.custom import check_forward
+from perfrun.models.custom import check_forward, check_vocab
 from perfrun.models.flops import flops_figure
 from perfrun.optimizer import build_optimizer, build_scheduler
 from perfrun.summary import RunSummary
@@ -102,13 +103,16 @@ def setup(cfg: TrainConfig, stack: ExitStack, resolved: Resolved, found: FoundBa
     data = build_datasets(cfg.data, seq_len, cfg.seed)
     resolved.tokenizer, resolved.vocab_size = data.tokenizer, data.vocab_size  # what the ids are, recorded with the run
     log.info(data.description)
+    if cfg.data.name == "custom" and cfg.model.family != "custom":  # perfrun's models embed token ids
+        check_token_ids(data, str(cfg.data.target))
     memory_estimate = train_preflight(cfg, data.vocab_size, device, world) if rank == 0 else None
 
     m = cfg.model
     model = build_model(m, data.vocab_size, cfg.attention)
     resolved.vocab_size_padded = getattr(getattr(model, "config", None), "vocab_size", data.vocab_size)
     example = data.train[0]
-    if m.family == "custom":  # the user's forward must give (logits or None, loss)
+    if m.family == "custom":  # the data's ids must fit its vocabulary; its forward must give (logits or None, loss)
+        check_vocab(model, str(m.target), data.vocab_size, cfg.data.name)
         check_forward(model, *example, f"{m.name} ({m.target})")
     fits = knob_fits(model, cfg)
     for line in describe(fits):

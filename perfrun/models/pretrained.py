@@ -23,6 +23,7 @@ that zero or random rows would have against GPT-2's trained logits.
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,7 @@ from omegaconf import OmegaConf
 
 from perfrun.checkpoint.safe_loading import load_pt
 from perfrun.config import ConfigError, config_dir
-from perfrun.console import first_line
+from perfrun.console import first_line, json_kinds
 from perfrun.model_schema import ModelConfig
 from perfrun.models.gpt import GPT
 from perfrun.models.hf_layout import llama_state_dict, perfrun_state_dict
@@ -64,7 +65,7 @@ def config_json(folder: Path, shown: str, family: str = "gpt") -> dict[str, Any]
             "a GPT model group (model=tiny, gpt2, ...)" if kind == "gpt2" else "a model perfrun has no family for")
         raise ConfigError(f"{shown} holds a model_type={kind} checkpoint, which needs {other}; model.family={family} "
                           f"takes {arch} folders (model_type {want})")
-    check_field_types(config, folder / "config.json")
+    check_field_types(config, folder / "config.json", family)
     return config
 
 
@@ -78,23 +79,51 @@ def read_config(folder: Path, shown: str) -> dict[str, Any]:
     return config
 
 
-# config.json fields perfrun reads, and the type each must have (None: may be null)
-FIELD_TYPES: dict[str, tuple[type, ...]] = {
-    "n_layer": (int,), "n_head": (int,), "n_embd": (int,), "n_positions": (int,), "n_ctx": (int,),
-    "vocab_size": (int,), "n_inner": (int, type(None)), "perfrun_real_vocab_size": (int, type(None)),
-    "layer_norm_epsilon": (int, float), "activation_function": (str,),
+# config.json fields perfrun reads, by family, and the types each may have (None: may be null)
+FIELD_TYPES: dict[str, dict[str, tuple[type, ...]]] = {
+    "gpt": {
+        "n_layer": (int,), "n_head": (int,), "n_embd": (int,), "n_positions": (int,), "n_ctx": (int,),
+        "vocab_size": (int,), "n_inner": (int, type(None)), "perfrun_real_vocab_size": (int, type(None)),
+        "layer_norm_epsilon": (int, float), "activation_function": (str,),
+    },
+    "llama": {
+        "hidden_size": (int,), "intermediate_size": (int,), "num_hidden_layers": (int,), "num_attention_heads": (int,),
+        "num_key_value_heads": (int, type(None)), "head_dim": (int, type(None)), "max_position_embeddings": (int,),
+        "vocab_size": (int,), "perfrun_real_vocab_size": (int, type(None)), "rope_theta": (int, float),
+        "rms_norm_eps": (int, float), "tie_word_embeddings": (bool,), "attention_bias": (bool,), "mlp_bias": (bool,),
+        "hidden_act": (str,), "rope_scaling": (dict, type(None)), "rope_parameters": (dict, type(None)),
+    },
 }
+# the fields of Llama's RoPE object (``rope_scaling``, or transformers 5's ``rope_parameters``)
+ROPE_TYPES: dict[str, tuple[type, ...]] = {
+    "rope_theta": (int, float), "factor": (int, float), "low_freq_factor": (int, float),
+    "high_freq_factor": (int, float), "original_max_position_embeddings": (int,), "rope_type": (str,), "type": (str,),
+}
+# the fields a config.json of the family must have: the shape is read from them, with no default
+REQUIRED = {"gpt": ("n_layer", "n_head", "n_embd"),
+            "llama": ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")}
 
 
-def check_field_types(config: dict[str, Any], file: Path) -> None:
-    """Each field perfrun reads has its JSON type (a whole number is no string or bool):
-    otherwise one line naming the file, the field and its value."""
-    for key, types in FIELD_TYPES.items():
-        value = config.get(key)
-        if key in config and (isinstance(value, bool) or not isinstance(value, types)):
-            wanted = " or ".join("null" if t is type(None) else {"int": "a whole number", "float": "a number",
-                                                                 "str": "a string"}[t.__name__] for t in types)
-            raise ConfigError(f"{file}: field {key} is {json.dumps(value)}, not {wanted}; correct it in that file "
+def check_field_types(config: dict[str, Any], file: Path, family: str = "gpt") -> None:
+    """Each field perfrun reads has its JSON type (a whole number is no string or bool, a number
+    is finite), and the shape's fields are there: otherwise one line naming the file, the field
+    and its value."""
+    for key in REQUIRED[family]:
+        if key not in config:
+            raise ConfigError(f"{file}: field {key} is missing, and the model's shape is read from it; add it to that "
+                              "file (or export the model again)")
+    if family == "gpt" and "n_positions" not in config and "n_ctx" not in config:
+        raise ConfigError(f"{file}: field n_positions (or n_ctx) is missing, and the model's context is read from it; "
+                          "add it to that file (or export the model again)")
+    fields = [(key, config[key], types) for key, types in FIELD_TYPES[family].items() if key in config]
+    if family == "llama":
+        fields += [(f"{outer}.{key}", config[outer][key], types) for outer in ("rope_scaling", "rope_parameters")
+                   if isinstance(config.get(outer), dict) for key, types in ROPE_TYPES.items() if key in config[outer]]
+    for key, value, types in fields:
+        wrong = (isinstance(value, bool) and bool not in types) or not isinstance(value, types) or (
+            isinstance(value, float) and not math.isfinite(value))
+        if wrong:
+            raise ConfigError(f"{file}: field {key} is {json.dumps(value)}, not {json_kinds(types)}; correct it in that file "
                               "(or export the model again)")
 
 
@@ -258,6 +287,14 @@ def _init_llama(model: Llama, model_cfg: ModelConfig, data_vocab: int, folder: P
 
 
 def _load(model: torch.nn.Module, sd: dict[str, torch.Tensor], shown: str) -> None:
+    """The weights into ``model``; a folder whose weights hold NaN or infinity (a diverged run
+    exported) is refused naming the folder and the tensor, before a step could blame the
+    learning rate for it."""
+    for name, t in sd.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            bad = int((~torch.isfinite(t)).sum())
+            raise ConfigError(f"{shown}: its weight {name} holds {bad:,} NaN or infinite values, so training from it "
+                              "can only give NaN; give a folder of finite weights (one saved before the run diverged)")
     try:
         model.load_state_dict(sd, strict=True)
     except RuntimeError as e:

@@ -17,7 +17,7 @@ from typing import Any
 
 from perfrun.report.noise import Spread, clear_winner, effect, spread
 from perfrun.report.rows import Report, ReportError, Row, finite, how_run, override_key
-from perfrun.summary import SUMMARY_FILE, read_summary
+from perfrun.summary import SUMMARY_FILE, read_summary, shape_problem
 
 
 def _natural(path: Path) -> list[Any]:
@@ -63,6 +63,10 @@ def read_row(job: Path, label: str, root_label: str) -> Row:
         s = read_summary(job)
     except (OSError, ValueError) as e:
         return Row(label, root_label, _read_overrides(job), "unreadable", f"summary.json: {e}", **empty)
+    problem = shape_problem(s)
+    if problem is not None:  # not the shape perfrun writes (hand-edited, another tool's): said, not drawn
+        return Row(label, root_label, _read_overrides(job), "unreadable",
+                   f"{job / SUMMARY_FILE} is not a perfrun summary: {problem}", **empty)
     status = str(s.get("status", "unknown"))
     reason = s.get("reason")
     if status == "interrupted":  # stopped on a signal (Ctrl-C, SIGTERM): not a failure; resume=auto goes on
