@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import shutil
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,7 @@ from perfrun.devices import resolve_device
 from perfrun.inference.generation import Generation, Generator
 from perfrun.inference.loading import Loaded, load_model
 from perfrun.inference.sampling import Sampler
+from perfrun.models import contract
 
 MAX_NEW_TOKENS = 100_000  # past block_size each token costs a full forward over block_size tokens
 CACHE_HELP = ("the static KV cache, preallocated for the longest prompt + max_new_tokens and at most block_size "
@@ -215,14 +216,27 @@ def _report(cfg: GenerateConfig, runs: list[Generation], streamed: bool) -> str:
     )
 
 
+def _without_cache(cfg: GenerateConfig, loaded: Loaded) -> tuple[GenerateConfig, str]:
+    """A model without perfrun's KV cache and decode step (model=hf: transformers' own cache is
+    not perfrun's static one) generates by recomputing its context, said in the header;
+    compile=true, which compiles the cached decode step, is refused for it."""
+    if contract.has(loaded.model, "decoder"):
+        return cfg, ""
+    name = getattr(loaded.model, "architecture_class", type(loaded.model)).__name__
+    if cfg.compile:
+        raise ConfigError(f"compile=true compiles the KV-cached decode step, and the checkpoint's model has none in "
+                          f"perfrun ({contract.NEEDS['decoder']}); drop compile=true")
+    return replace(cfg, cache=False), f"; no KV cache for {name} in perfrun: each token recomputes its context"
+
+
 def run(cfg: GenerateConfig) -> int:
     """The job: 0 on success, 2 for a user's mistake, 1 when the device runs out of memory."""
     try:
         loaded, tokenizer, texts, device = _load(cfg)
+        cfg, note = _without_cache(cfg, loaded)
     except ConfigError as e:
         error(str(e))
         return 2
-    note = ""
     if cfg.quantize == "int8":
         from perfrun.inference.int8 import quantize_int8
 

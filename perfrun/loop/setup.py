@@ -24,6 +24,7 @@ from perfrun.models.build import build_model
 from perfrun.models.contract import describe, knob_fits, model_class, parameter_counts
 from perfrun.models.custom import check_forward
 from perfrun.models.flops import flops_figure
+from perfrun.models.hf import describe as hf_describe
 from perfrun.summary import RunSummary
 from perfrun.telemetry.mfu import mfu_dtype, resolve_peak
 from perfrun.telemetry.profiling import start_memory_history
@@ -106,6 +107,8 @@ def setup(cfg: TrainConfig, stack: ExitStack, resolved: Resolved, found: FoundBa
     m = cfg.model
     model = build_model(m, data.vocab_size, cfg.attention)
     resolved.vocab_size_padded = getattr(getattr(model, "config", None), "vocab_size", data.vocab_size)
+    if m.family == "hf":  # the architecture and shape the folder gave, and where its weights came from
+        log.info(hf_describe(model))
     example = data.train[0]
     if m.family == "custom":  # the user's forward must give (logits or None, loss)
         check_forward(model, *example, f"{m.name} ({m.target})")

@@ -1,0 +1,190 @@
+"""``model=hf model.path=FOLDER``: folders written by transformers itself (random weights, tiny
+shapes, nothing downloaded) of Llama, Qwen2 (tied embeddings), Mistral and GPT-2 train through
+perfrun, load their safetensors (sharded too), take the knobs through their decoder layers,
+head and attn_implementation, are measured (FLOPs formula against the counter, the estimate,
+the ladder) and come out again (generate, export to a folder from_pretrained loads)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from perfrun.config import ConfigError
+
+from conftest import make_cfg
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 256
+COMMON = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
+FAMILIES: dict[str, dict[str, Any]] = {
+    "llama": COMMON,
+    "qwen2": {**COMMON, "tie_word_embeddings": True},
+    "mistral": COMMON,
+    "gpt2": {"vocab_size": VOCAB, "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 64,
+             "bos_token_id": 0, "eos_token_id": 0},
+}
+ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
+        "gpt2": "GPT2LMHeadModel"}
+RUN = ["model=hf", "data=synthetic", f"data.vocab_size={VOCAB}", "model.block_size=32", "max_steps=6",
+       "dataloader.batch_size=4", "log_every=2", "eval_every=0", "optim.warmup_steps=2"]
+
+
+def write_folder(out: Path, kind: str, **extra: Any) -> Path:
+    """A random-init folder as transformers' save_pretrained writes it."""
+    config = transformers.AutoConfig.for_model(kind, **{**FAMILIES[kind], **extra})
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("hf")
+    return {kind: write_folder(root / kind, kind) for kind in FAMILIES}
+
+
+def file_weights(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def build(path: Path, *extra: str, attention: str = "sdpa") -> Any:
+    from perfrun.models.build import build_model
+
+    cfg = make_cfg(*RUN, f"model.path={path}", f"attention={attention}", *extra)
+    return build_model(cfg.model, VOCAB, cfg.attention)
+
+
+@pytest.mark.parametrize("kind", list(FAMILIES))
+def test_each_family_trains_from_its_folder_with_its_formula(kind: str, folders: dict[str, Path], tmp_path: Path,
+                                                              one_thread: None, caplog: pytest.LogCaptureFixture) -> None:
+    from perfrun.loop.run import run
+
+    caplog.set_level(logging.INFO, logger="perfrun")
+    s = run(make_cfg(*RUN, f"model.path={folders[kind]}"), tmp_path)
+    assert s["status"] == "completed", s.get("error")
+    assert s["model_class"].endswith(ARCH[kind])
+    reference = transformers.AutoModelForCausalLM.from_pretrained(folders[kind])
+    assert s["params"] == sum(p.numel() for p in reference.parameters())
+    # the formula from the config's shapes against torch's FLOP counter on the same model
+    assert s["flops_per_token_source"] == "formula"
+    assert abs(s["flops_per_token_counted"] - s["flops_per_token_formula"]) <= 0.01 * s["flops_per_token_formula"]
+    assert {f["key"]: f["applies"] for f in s["knob_fits"]}["attention"]
+    log = caplog.text
+    assert f"model=hf: {ARCH[kind]}" in log and "weights from" in log and "model.safetensors" in log
+    assert s["final_train_loss"] < 6.0  # ln 256 = 5.55 at chance: finite and near it
+
+
+def test_the_folder_weights_are_loaded_sharded_or_not_and_random_on_request(folders: dict[str, Path],
+                                                                            tmp_path: Path) -> None:
+    expected = file_weights(folders["llama"])
+    loaded = build(folders["llama"]).lm.state_dict()
+    assert all(torch.equal(loaded[k], v) for k, v in expected.items())
+    sharded = tmp_path / "sharded"
+    transformers.AutoModelForCausalLM.from_pretrained(folders["llama"]).save_pretrained(sharded, max_shard_size="20KB")
+    assert (sharded / "model.safetensors.index.json").is_file() and len(list(sharded.glob("*.safetensors"))) > 1
+    from_shards = build(sharded).lm.state_dict()
+    assert all(torch.equal(from_shards[k], v) for k, v in expected.items())
+    random = build(folders["llama"], "model.init=random")
+    assert random.weights is None
+    assert not torch.equal(random.lm.state_dict()["model.layers.0.self_attn.q_proj.weight"],
+                           expected["model.layers.0.self_attn.q_proj.weight"])
+
+
+def test_the_wrapper_gives_transformers_logits_and_acts_on_its_layers(folders: dict[str, Path]) -> None:
+    """Its forward gives the architecture's own logits; blocks are the decoder layers;
+    attention=eager|sdpa reaches transformers' attention (torch's SDPA kernel or not)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    idx = torch.randint(0, VOCAB, (2, 16))
+    for kind in FAMILIES:
+        model = build(folders[kind]).eval()  # GPT-2 has dropout in training
+        reference = transformers.AutoModelForCausalLM.from_pretrained(folders[kind])
+        assert torch.allclose(model(idx)[0], reference(input_ids=idx).logits, atol=1e-5)
+        assert len(model.blocks) == 2 and model.blocks is model.lm.base_model.get_submodule(
+            "layers" if kind != "gpt2" else "h")
+        assert model.lm_head is model.lm.get_output_embeddings()
+    ops = {}
+    for attention in ("sdpa", "eager"):
+        counter = FlopCounterMode(display=False)
+        with counter:
+            build(folders["qwen2"], attention=attention)(idx)
+        ops[attention] = {str(op) for op in counter.get_flop_counts()["Global"]}
+    # eager attention multiplies scores as batched matmuls; SDPA's fused kernel has no bmm
+    assert "aten.bmm" in ops["eager"] and "aten.bmm" not in ops["sdpa"]
+
+
+def test_the_knobs_act_on_its_layers_and_head(folders: dict[str, Path], tmp_path: Path, one_thread: None) -> None:
+    """checkpointing wraps its decoder layers, loss=chunked takes its head and final hidden
+    states and trains as the standard loss does, eager attention trains too."""
+    from perfrun.loop.run import run
+
+    path = f"model.path={folders['mistral']}"
+    base = run(make_cfg(*RUN, path), tmp_path / "base")
+    chunked = run(make_cfg(*RUN, path, "loss=chunked", "loss.chunk_size=24", "checkpointing=full"), tmp_path / "kn")
+    eager = run(make_cfg(*RUN, path, "attention=eager"), tmp_path / "eager")
+    assert chunked["status"] == eager["status"] == "completed"
+    assert chunked["knobs"]["checkpointed_blocks"] == 2 and chunked["knobs"]["loss"]["name"] == "chunked"
+    for other in (chunked, eager):
+        assert abs(other["final_train_loss"] - base["final_train_loss"]) < 1e-4
+
+
+@pytest.mark.parametrize(("setup", "expected"), [
+    ("remote", "auto_map names code in the folder"),
+    ("pickled", "holds pickled weights (pytorch_model.bin)"),
+    ("no_config", "has no config.json"),
+    ("unknown", "cannot read config.json"),
+    ("not_causal", "is not a causal LM"),
+    ("missing", "does not exist"),
+    ("pretrained", "model.init=pretrained asks for its weights"),
+    ("vocab", "has a vocabulary of 128"),
+])
+def test_a_folder_perfrun_cannot_take_is_refused_in_one_line(setup: str, expected: str, tmp_path: Path) -> None:
+    folder = tmp_path / "m"
+    extra: list[str] = []
+    marker = tmp_path / "ran"
+    if setup in ("remote", "pickled", "pretrained", "vocab"):
+        write_folder(folder, "llama", **({"vocab_size": 128} if setup == "vocab" else {}))
+    if setup == "remote":  # code that would leave a marker file if anything imported it
+        config = json.loads((folder / "config.json").read_text())
+        config["auto_map"] = {"AutoModelForCausalLM": "modeling_evil.Evil"}
+        (folder / "config.json").write_text(json.dumps(config))
+        (folder / "modeling_evil.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    elif setup == "pickled":
+        torch.save(file_weights(folder), folder / "pytorch_model.bin")
+        (folder / "model.safetensors").unlink()
+    elif setup == "pretrained":
+        (folder / "model.safetensors").unlink()
+        extra.append("model.init=pretrained")
+    elif setup == "unknown":
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({"model_type": "no-such-architecture"}))
+    elif setup == "not_causal":
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({"model_type": "vit"}))
+    elif setup == "no_config":
+        folder.mkdir()
+    with pytest.raises(ConfigError) as e:
+        build(folder, *extra)
+    assert expected in str(e.value) and "\n" not in str(e.value)
+    assert not marker.exists()
+
+
+def test_model_hf_without_a_path_is_refused_by_the_schema() -> None:
+    from perfrun.validate import validate
+
+    with pytest.raises(ConfigError, match="model=hf needs model.path"):
+        validate(make_cfg(*RUN))
+    with pytest.raises(ConfigError, match="apply to model=hf"):
+        validate(make_cfg("model.path=/x"))
