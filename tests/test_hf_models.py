@@ -125,6 +125,7 @@ def test_the_wrapper_gives_transformers_logits_and_acts_on_its_layers(folders: d
     assert "aten.bmm" in ops["eager"] and "aten.bmm" not in ops["sdpa"]
 
 
+@pytest.mark.slow
 def test_the_knobs_act_on_its_layers_and_head(folders: dict[str, Path], tmp_path: Path, one_thread: None) -> None:
     """checkpointing wraps its decoder layers, loss=chunked takes its head and final hidden
     states and trains as the standard loss does, eager attention trains too."""
@@ -188,3 +189,58 @@ def test_model_hf_without_a_path_is_refused_by_the_schema() -> None:
         validate(make_cfg(*RUN))
     with pytest.raises(ConfigError, match="apply to model=hf"):
         validate(make_cfg("model.path=/x"))
+
+
+@pytest.mark.slow
+def test_its_checkpoint_generates_with_the_folder_tokenizer_and_exports_for_from_pretrained(
+        tmp_path: Path, one_thread: None, capsys: pytest.CaptureFixture[str]) -> None:
+    """Out again: perfrun generate samples with the folder's tokenizer.json; perfrun export
+    format=safetensors writes a folder transformers loads with the trained model's logits."""
+    from perfrun.commands import export, generate
+    from perfrun.data.tokenizers import train_bpe
+    from perfrun.inference.loading import load_model
+    from perfrun.loop.run import run
+
+    folder = write_folder(tmp_path / "qwen", "qwen2", vocab_size=320)
+    train_bpe(["def f(x):\n    return x + 1\n" * 20, "hello world, hello perfrun"], 300, folder / "tokenizer.json")
+    s = run(make_cfg(*RUN, f"model.path={folder}", "data.vocab_size=320"), tmp_path / "run")
+    assert s["status"] == "completed"
+    code = generate.run(generate.GenerateConfig(checkpoint=str(tmp_path / "run"), prompt="hello", max_new_tokens=4,
+                                                device="cpu", temperature=0.0))
+    out = capsys.readouterr()
+    assert code == 0 and out.out.startswith("hello") and "no KV cache for Qwen2ForCausalLM" in out.err
+    assert generate.run(generate.GenerateConfig(checkpoint=str(tmp_path / "run"), prompt="hi", compile=True,
+                                                device="cpu")) == 2
+    assert export.run(export.ExportConfig(checkpoint=str(tmp_path / "run"), format="safetensors",
+                                          out=str(tmp_path / "out"))) == 0
+    assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (folder / "tokenizer.json").read_bytes()
+    trained = load_model(tmp_path / "run").model
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    idx = torch.randint(0, 320, (2, 12))
+    with torch.no_grad():
+        assert torch.equal(trained(idx)[0], reloaded(input_ids=idx).logits)
+    assert not torch.equal(trained.lm.state_dict()["model.layers.0.mlp.up_proj.weight"],
+                           file_weights(folder)["model.layers.0.mlp.up_proj.weight"])  # trained, not the folder's
+
+
+@pytest.mark.slow
+def test_estimated_and_laddered_like_perfrun_own(folders: dict[str, Path], tmp_path: Path, one_thread: None) -> None:
+    """perfrun estimate breaks its memory down by decoder layer; the ladder's rungs act on it
+    (none skipped for the model) and the report's header names the architecture."""
+    from perfrun import report
+    from perfrun.commands.rungs import run_rung
+    from perfrun.loop.memory.estimate import estimate
+    from perfrun.report.render import header
+
+    path = f"model.path={folders['qwen2']}"
+    e = estimate(make_cfg(*RUN, path), VOCAB, top=10)
+    assert e.peak_bytes > 0 and any(m.name == "lm.model.layers.0" for m in e.breakdown.modules)
+    rungs = ["naive", "sdpa", "chunked_loss", "checkpointing_full"]
+    for n, rung in enumerate(rungs):
+        overrides = [f"+ablation={rung}", "repeat=0", "max_steps=4", "compile=false"]
+        run_rung(make_cfg(*RUN, path, *overrides), tmp_path / str(n), overrides=overrides)
+    s = [json.loads((tmp_path / str(n) / "summary.json").read_text()) for n in range(len(rungs))]
+    assert [x["status"] for x in s] == ["completed"] * 4, [x.get("reason") for x in s]
+    assert s[2]["knobs"]["loss"]["name"] == "chunked" and s[3]["knobs"]["checkpointed_blocks"] == 2
+    line = next(x for x in header(report.load([tmp_path])) if x.startswith("model: "))
+    assert "Qwen2ForCausalLM from" in line and "M parameters" in line and "FLOPs per token (formula)" in line
