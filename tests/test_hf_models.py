@@ -271,3 +271,26 @@ def test_a_transformers_module_wrapped_as_model_custom_trains(tmp_path: Path, on
     assert s["status"] == "completed", s.get("error")
     assert s["model_class"].endswith("QwenWrapper") and s["flops_per_token_source"] == "counted"
     assert s["flops_per_token_counted"] > 0 and s["final_train_loss"] < 6.0
+
+
+def test_model_llama_takes_the_folder_shape_a_preset_refuses_it(tmp_path: Path, one_thread: None,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    """model=llama model.init_from=FOLDER trains the folder's shape (logged, recorded, its
+    weights loaded); a preset of another shape refuses the folder, naming model=llama."""
+    from perfrun.loop.run import run
+
+    caplog.set_level(logging.INFO, logger="perfrun")
+    folder = write_folder(tmp_path / "llama", "llama", hidden_size=64, intermediate_size=96, num_attention_heads=8,
+                          num_key_value_heads=4, rms_norm_eps=1e-5)
+    common = ["data=synthetic", f"data.vocab_size={VOCAB}", "model.block_size=32", "max_steps=2",
+              "dataloader.batch_size=2", "eval_every=0", f"model.init_from={folder}"]
+    s = run(make_cfg("model=llama", *common), tmp_path / "run")
+    assert s["status"] == "completed", s.get("reason")
+    m = s["config"]["model"]
+    assert (m["n_layer"], m["n_embd"], m["n_head"], m["n_kv_head"], m["intermediate_size"]) == (2, 64, 8, 4, 96)
+    assert not m["tie_embeddings"] and f"model=llama: the shape of {folder / 'config.json'}: n_layer 2" in caplog.text
+    assert s["params"] == sum(p.numel() for p in transformers.AutoModelForCausalLM.from_pretrained(folder).parameters())
+    with pytest.raises(ConfigError) as e:
+        run(make_cfg("model=llama-tiny", *common), tmp_path / "preset")
+    assert "is a Llama of another shape than model=llama-tiny" in str(e.value)
+    assert str(e.value).endswith("or model=llama, which takes the folder's shape from its config.json")

@@ -96,7 +96,9 @@ def _estimate(cfg: EstimateJobConfig) -> tuple[dict[str, Any], list[str]]:
     from perfrun.loop.memory.estimate import estimate
     from perfrun.loop.memory.fit import advice, gib, largest_batch, memory_limit, what_fits
     from perfrun.loop.memory.report import describe, fit_line
+    from perfrun.models.pretrained import with_folder_shape
 
+    cfg = with_folder_shape(cfg)  # model=llama model.init_from=FOLDER: the folder's shape
     if cfg.dataloader.batch_size == "auto":
         raise ConfigError("dataloader.batch_size=auto: the estimate needs a batch size; give one "
                           "(the estimate then says the largest that fits)")
