@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -294,3 +295,29 @@ def test_model_llama_takes_the_folder_shape_a_preset_refuses_it(tmp_path: Path, 
         run(make_cfg("model=llama-tiny", *common), tmp_path / "preset")
     assert "is a Llama of another shape than model=llama-tiny" in str(e.value)
     assert str(e.value).endswith("or model=llama, which takes the folder's shape from its config.json")
+
+
+def test_without_transformers_one_line_names_the_extra(folders: dict[str, Path],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Python's own way to make a package unimportable (None in sys.modules): the line names
+    the install command; transformers itself is not touched."""
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    with pytest.raises(ConfigError) as e:
+        build(folders["llama"])
+    assert str(e.value) == ('model=hf needs the transformers package, which is not installed; '
+                            'pip install -e ".[hf]"')
+
+
+def test_a_refused_folder_is_one_line_exit_2_and_no_run(tmp_path: Path) -> None:
+    """As a user types it: a folder whose config.json asks for code of its own."""
+    from conftest import run_cli
+
+    folder = tmp_path / "remote"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama", "auto_map": {"AutoConfig": "x.Y"}}))
+    p = run_cli("train", "model=hf", f"model.path={folder}", "data=synthetic", "data.vocab_size=256",
+                "model.block_size=32", "max_steps=1", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    lines = [x for x in p.stderr.splitlines() if "auto_map" in x]
+    assert len(lines) == 1 and "trust_remote_code" in lines[0]
+    assert not (tmp_path / "run" / "checkpoints").exists()
