@@ -321,3 +321,35 @@ def test_a_refused_folder_is_one_line_exit_2_and_no_run(tmp_path: Path) -> None:
     lines = [x for x in p.stderr.splitlines() if "auto_map" in x]
     assert len(lines) == 1 and "trust_remote_code" in lines[0]
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.slow
+def test_perfrun_tune_tunes_it(folders: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                               one_thread: None) -> None:
+    from perfrun.commands import tune
+
+    out = tmp_path / "tune"
+    rc = tune.main(["device=cpu", "--quick", "--batch-sizes", "2,4", "--steps", "3", "--warmup", "1", "--out", str(out),
+                    "model=hf", f"model.path={folders['qwen2']}", "data=synthetic", f"data.vocab_size={VOCAB}",
+                    "model.block_size=32"])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    saved = json.loads((out / "tune_summary.json").read_text())
+    assert [t["status"] for t in saved["trials"]] == ["completed", "completed"]
+    assert "model=hf" in saved["command"] and f"model.path={folders['qwen2']}" in saved["command"]
+
+
+def test_fp8_converts_its_projections_and_keeps_its_head(folders: dict[str, Path]) -> None:
+    """precision=fp8's conversion (emulated: torchao's float8 matmuls in fp32 on the CPU)
+    takes the decoder layers' projections and keeps the head the loss reads as a matrix."""
+    pytest.importorskip("torchao")
+    from perfrun.knobs.fp8 import convert
+
+    model = build(folders["llama"])
+    layers = convert(model, "tensorwise", tokens=2 * 16, emulate=True)
+    assert "lm.model.layers.0.self_attn.q_proj" in layers.convert and "lm.model.layers.1.mlp.down_proj" in layers.convert
+    assert "the output head" in layers.kept["lm.lm_head"]
+    _, loss = model(torch.randint(0, VOCAB, (2, 16)), torch.randint(0, VOCAB, (2, 16)))
+    loss.backward()
+    assert type(model.lm.model.layers[0].self_attn.q_proj).__name__ == "Float8Linear"
+    assert model.lm.model.layers[0].self_attn.q_proj.weight.grad is not None
