@@ -353,3 +353,14 @@ def test_fp8_converts_its_projections_and_keeps_its_head(folders: dict[str, Path
     loss.backward()
     assert type(model.lm.model.layers[0].self_attn.q_proj).__name__ == "Float8Linear"
     assert model.lm.model.layers[0].self_attn.q_proj.weight.grad is not None
+
+
+@pytest.mark.slow
+def test_per_block_compile_compiles_its_decoder_layers(folders: dict[str, Path], tmp_path: Path, one_thread: None,
+                                                       one_cxx_build_per_graph: None) -> None:
+    from perfrun.loop.run import run
+
+    s = run(make_cfg(*RUN, f"model.path={folders['llama']}", "compile=true", "compile_options.scope=blocks",
+                     "max_steps=3"), tmp_path)
+    assert s["status"] == "completed", s.get("reason")
+    assert s["knobs"]["compile_options"]["scope"] == "blocks" and s["final_train_loss"] < 6.0
