@@ -264,12 +264,18 @@ def build_hf(m: ModelConfig, vocab_size: int, attention: str) -> HFCausalLM:
     weights = weights_in(folder, shown, m.init)
     on_meta = torch.empty(0).device.type == "meta"
     implementation = ATTENTION[attention]
-    if weights is None or on_meta:
-        lm = tf.AutoModelForCausalLM.from_config(config, attn_implementation=implementation, dtype=torch.float32)
-    else:
-        lm = tf.AutoModelForCausalLM.from_pretrained(
-            str(folder), config=config, attn_implementation=implementation, dtype=torch.float32,
-            local_files_only=True, trust_remote_code=False, use_safetensors=True)
+    bars = tf.utils.logging.is_progress_bar_enabled()
+    tf.utils.logging.disable_progress_bar()  # transformers' loading bar would cut into perfrun's log
+    try:
+        if weights is None or on_meta:
+            lm = tf.AutoModelForCausalLM.from_config(config, attn_implementation=implementation, dtype=torch.float32)
+        else:
+            lm = tf.AutoModelForCausalLM.from_pretrained(
+                str(folder), config=config, attn_implementation=implementation, dtype=torch.float32,
+                local_files_only=True, trust_remote_code=False, use_safetensors=True)
+    finally:
+        if bars:
+            tf.utils.logging.enable_progress_bar()
     lm.train()
     return HFCausalLM(lm, attention, None if weights is None else str(weights))
 
