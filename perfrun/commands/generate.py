@@ -241,7 +241,7 @@ def run(cfg: GenerateConfig) -> int:
         from perfrun.inference.int8 import quantize_int8
 
         try:
-            note = f", {quantize_int8(loaded.model).describe()}"
+            note += f", {quantize_int8(loaded.model).describe()}"
         except ConfigError as e:
             error(str(e))
             return 2
