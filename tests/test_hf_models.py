@@ -364,3 +364,28 @@ def test_per_block_compile_compiles_its_decoder_layers(folders: dict[str, Path],
                      "max_steps=3"), tmp_path)
     assert s["status"] == "completed", s.get("reason")
     assert s["knobs"]["compile_options"]["scope"] == "blocks" and s["final_train_loss"] < 6.0
+
+
+def test_fsdp2_shards_its_decoder_layers(folders: dict[str, Path]) -> None:
+    """distributed=fsdp in a world of one over gloo: FSDP2 wraps each decoder layer and the
+    root, the weights become DTensors, and a forward and backward run through them."""
+    from contextlib import ExitStack
+
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    from perfrun import distributed
+    from perfrun.knobs import apply_knobs
+
+    cfg = make_cfg(*RUN, f"model.path={folders['qwen2']}", "distributed=fsdp", "device=cpu")
+    with ExitStack() as stack:
+        device = distributed.setup_device("cpu", "fsdp", stack)
+        model = build(folders["qwen2"])
+        plan = apply_knobs(cfg, device, model, stack)
+        assert all(isinstance(layer, FSDPModule) for layer in model.lm.model.layers) and isinstance(model, FSDPModule)
+        assert plan.notes["fsdp"]["shard_groups"] == 3
+        assert isinstance(model.lm.model.layers[0].self_attn.q_proj.weight, DTensor)
+        idx = torch.randint(0, VOCAB, (2, 17))
+        _, loss = plan.model(idx[:, :-1], idx[:, 1:])
+        loss.backward()
+        assert model.lm.model.layers[0].self_attn.q_proj.weight.grad is not None
