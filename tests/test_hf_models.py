@@ -389,3 +389,18 @@ def test_fsdp2_shards_its_decoder_layers(folders: dict[str, Path]) -> None:
         _, loss = plan.model(idx[:, :-1], idx[:, 1:])
         loss.backward()
         assert model.lm.model.layers[0].self_attn.q_proj.weight.grad is not None
+
+
+def test_a_mixture_of_experts_has_no_formula_and_says_so(tmp_path: Path) -> None:
+    """Mixtral's tokens run only their routed experts: 6 x parameters would overcount, so
+    there is no formula and the figure is the counter's (or none, with why)."""
+    from perfrun.models.flops import flops_figure
+
+    folder = tmp_path / "mixtral"
+    config = transformers.AutoConfig.for_model("mixtral", **COMMON, num_local_experts=4, num_experts_per_tok=2)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    model = build(folder)
+    assert model.flops_per_token(16) is None and model.config.experts
+    figure = flops_figure(model, (torch.randint(0, VOCAB, (16,)), torch.randint(0, VOCAB, (16,))), 16)
+    assert figure.formula is None and figure.source in ("counted", "none")
+    assert "the model has no formula" in figure.describe()
