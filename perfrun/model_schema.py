@@ -3,7 +3,8 @@
 It lives apart from :mod:`perfrun.config` (which imports it and registers it) so that the
 schema of each family sits in one short place; like config, it imports no torch (shell
 completion reads it). ``family`` picks the architecture: ``gpt`` (GPT-2's, perfrun/models/gpt.py)
-or ``llama`` (perfrun/models/llama.py), or ``custom``: the user's own nn.Module, ``model.target``
+or ``llama`` (perfrun/models/llama.py), ``hf``: a Hugging Face folder (``model.path``) that
+transformers builds (perfrun/models/hf.py), or ``custom``: the user's own nn.Module, ``model.target``
 built with ``model.args`` (perfrun/models/custom.py). The Llama fields mean nothing to GPT, so a GPT model
 that sets one away from its default is refused rather than silently ignored.
 """
@@ -14,7 +15,8 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-FAMILIES = ("gpt", "llama", "custom")
+FAMILIES = ("gpt", "llama", "hf", "custom")
+HF_INITS = ("auto", "pretrained", "random")
 
 
 @dataclass
@@ -53,6 +55,10 @@ class ModelConfig:
     # custom only: the class (pkg.module.Class or path/to/file.py:Class) and its keyword arguments
     target: str | None = None
     args: dict[str, Any] = field(default_factory=dict)
+    # hf only: the Hugging Face folder (config.json, safetensors weights) and where the weights start:
+    # auto (the folder's where it has them, else random), pretrained (required), random (the config's init)
+    path: str | None = None
+    init: str = "auto"
 
 
 LLAMA_ONLY = ("n_kv_head", "intermediate_size", "multiple_of", "ffn_dim_multiplier", "rope_theta", "rope_scaling",
@@ -81,6 +87,11 @@ def model_problem(m: ModelConfig) -> str | None:
         return f"model.n_embd={m.n_embd} is not divisible by model.n_head={m.n_head}; pick n_embd as a multiple of n_head"
     if not 0.0 <= m.dropout < 1.0:
         return f"model.dropout={m.dropout} must be in [0, 1); set model.dropout=0.0"
+    if m.family != "hf" and (m.path is not None or m.init != "auto"):
+        return (f"model.path and model.init apply to model=hf but model={m.name} is perfrun's {m.family}; remove them, "
+                "or use model=hf model.path=FOLDER (model.init_from=FOLDER starts perfrun's own families from a folder)")
+    if m.family == "hf":
+        return _hf_problem(m)
     if m.family == "custom":
         if not m.target:
             return ("model=custom needs model.target, the class of your model (pkg.module.ClassName or "
@@ -100,6 +111,18 @@ def model_problem(m: ModelConfig) -> str | None:
                     "or use a Llama model (model=llama-tiny, or model.family=llama)")
         return None
     return _llama_problem(m)
+
+
+def _hf_problem(m: ModelConfig) -> str | None:
+    if not m.path:
+        return "model=hf needs model.path, a Hugging Face model folder (config.json + model.safetensors); e.g. model.path=~/models/Qwen2.5-0.5B"
+    if m.init not in HF_INITS:
+        return f"model.init={m.init} is not an option; choose one of {', '.join(HF_INITS)}"
+    if m.init_from:
+        return f"model.init_from applies to perfrun's own families; with model=hf the weights come from model.path={m.path}: remove model.init_from"
+    if m.target or m.args:
+        return "model.target and model.args apply to model=custom; remove them (model=hf builds the folder's architecture)"
+    return None
 
 
 def _llama_problem(m: ModelConfig) -> str | None:

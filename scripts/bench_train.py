@@ -37,6 +37,9 @@ steps is the per-step count; the functions with the most calls per step, and the
 perfrun runs more often than the plain loop, are listed. The monitor's sampler thread is not
 in it (cProfile follows the main thread; the monitor samples on a timer, not per step).
 
+A Hugging Face folder: ``--hf FOLDER --configs hf-fp32-off`` (model=hf; the plain loop steps the
+same transformers module perfrun builds from the folder).
+
 GPU use (scripts/gpu_bench.sh trainer): ``--pairs 3 --configs custom model=gpt2 ... device=cuda``.
 """
 
@@ -348,6 +351,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                          "thresholds a perfrun CPU run fixes (perfrun): the step alone, the heap's effect set apart")
     ap.add_argument("--calls", action="store_true", help="count Python calls per step instead of timing")
     ap.add_argument("--json", type=Path, help="also write the figures here (after every configuration)")
+    ap.add_argument("--hf", type=Path, metavar="FOLDER",
+                    help="a Hugging Face model folder: the configurations hf-fp32-off, hf-bf16-on, ... train it "
+                         "(model=hf model.path=FOLDER, its vocabulary's synthetic tokens); the plain loop steps "
+                         "the same transformers module")
     ap.add_argument("--one", choices=("perfrun", "plain"), help=argparse.SUPPRESS)
     ap.add_argument("overrides", nargs="*", help="hydra overrides added to every configuration (e.g. device=cpu)")
     args = ap.parse_args(argv)
@@ -359,10 +366,22 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def chosen(spec: str) -> dict[str, list[str]] | None:
+def hf_configs(folder: Path | None) -> dict[str, list[str]]:
+    """``--hf FOLDER``: the folder's model in each precision and defaults setting, on random
+    tokens of its own vocabulary (the folder's config.json says it)."""
+    if folder is None:
+        return {}
+    vocab = int(json.loads((folder / "config.json").read_text()).get("vocab_size", 256))
+    model = ["model=hf", f"model.path={folder}", "data=synthetic", f"data.vocab_size={vocab}", "model.block_size=128",
+             "dataloader.batch_size=8"]
+    return {f"hf-{p}-{d}": [*model, *PRECISIONS[p], *DEFAULTS[d]] for p in PRECISIONS for d in DEFAULTS}
+
+
+def chosen(spec: str, extra: dict[str, list[str]] | None = None) -> dict[str, list[str]] | None:
     out: dict[str, list[str]] = {}
+    known = {**CONFIGS, **(extra or {})}
     for pat in (p.strip() for p in spec.split(",") if p.strip()):
-        hit = {"custom": []} if pat == "custom" else {n: o for n, o in CONFIGS.items() if fnmatch.fnmatch(n, pat)}
+        hit = {"custom": []} if pat == "custom" else {n: o for n, o in known.items() if fnmatch.fnmatch(n, pat)}
         if not hit:
             return None
         out.update(hit)
@@ -373,9 +392,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     if args.one:
         return child(args)
-    configs = chosen(args.configs)
+    configs = chosen(args.configs, hf_configs(args.hf))
     if not configs:
-        print(f"bench_train.py: --configs {args.configs} matches none of {', '.join(CONFIGS)} (or 'custom')",
+        print(f"bench_train.py: --configs {args.configs} matches none of "
+              f"{', '.join([*CONFIGS, *hf_configs(args.hf)])} (or 'custom')",
               file=sys.stderr)
         return 2
     result: dict[str, Any] = {"torch": torch.__version__, "threads": args.threads, "steps": args.steps,

@@ -114,7 +114,9 @@ def _estimate(cfg: EstimateJobConfig) -> tuple[dict[str, Any], list[str]]:
     from perfrun.memory.describe import describe, fit_line
     from perfrun.memory.estimate import estimate
     from perfrun.memory.fit import advice, gib, memory_limit, what_fits
+    from perfrun.models.pretrained import with_folder_shape
 
+    cfg = with_folder_shape(cfg)  # model=llama model.init_from=FOLDER: the folder's shape
     if cfg.dataloader.batch_size == "auto":
         raise ConfigError("dataloader.batch_size=auto: the estimate needs a batch size; give one "
                           "(the estimate then says the largest that fits)")

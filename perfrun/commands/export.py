@@ -23,6 +23,7 @@ from perfrun.config import ConfigError
 from perfrun.console import error, stderr_console
 from perfrun.inference.loading import load_model
 from perfrun.inference.onnx_export import DEFAULT_ATOL, OnnxMismatch, export_onnx
+from perfrun.models.hf import HFCausalLM, export_hf
 from perfrun.models.hf_layout import export_safetensors
 
 FORMATS = ("onnx", "safetensors", "int8-report")
@@ -124,6 +125,12 @@ def write(cfg: ExportConfig) -> int:
                       f"max abs diff {check.max_abs_diff:.3g} (tolerance {check.atol:g})")
         return 0
     meta = {"perfrun_checkpoint": str(loaded.path), "perfrun_step": str(loaded.step)}
+    if isinstance(loaded.model, HFCausalLM):  # model=hf: transformers writes its own layout
+        folder = (loaded.config.get("model") or {}).get("path")
+        files = export_hf(loaded.model, out, Path(str(folder)).expanduser() if folder else None, meta)
+        console.print(f"wrote {out} ({', '.join(f.name for f in files)}): "
+                      f"transformers.{loaded.model.architecture_class.__name__}.from_pretrained(folder)")
+        return 0
     files = export_safetensors(loaded.model, out, loaded.vocab_size, meta)
     arch = json.loads(files[1].read_text())["architectures"][0]  # GPT2LMHeadModel or LlamaForCausalLM
     layout = "Llama" if arch.startswith("Llama") else "GPT-2"

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -31,6 +32,7 @@ from perfrun.inference.loading import Loaded, load_model
 from perfrun.inference.sampling import Sampler
 from perfrun.inference.schema import GenerateConfig
 from perfrun.inference.streaming import Streamer
+from perfrun.models import contract
 
 
 def _load(cfg: GenerateConfig) -> tuple[Loaded, Tokenizer, list[str], torch.device]:
@@ -78,19 +80,32 @@ def _report(cfg: GenerateConfig, runs: list[Generation], streamed: bool) -> str:
     )
 
 
+def _without_cache(cfg: GenerateConfig, loaded: Loaded) -> tuple[GenerateConfig, str]:
+    """A model without perfrun's KV cache and decode step (model=hf: transformers' own cache is
+    not perfrun's static one) generates by recomputing its context, said in the header;
+    compile=true, which compiles the cached decode step, is refused for it."""
+    if contract.has(loaded.model, "decoder"):
+        return cfg, ""
+    name = getattr(loaded.model, "architecture_class", type(loaded.model)).__name__
+    if cfg.compile:
+        raise ConfigError(f"compile=true compiles the KV-cached decode step, and the checkpoint's model has none in "
+                          f"perfrun ({contract.NEEDS['decoder']}); drop compile=true")
+    return replace(cfg, cache=False), f"; no KV cache for {name} in perfrun: each token recomputes its context"
+
+
 def run(cfg: GenerateConfig) -> int:
     """The job: 0 on success, 2 for a user's mistake, 1 when the device runs out of memory."""
     try:
         loaded, tokenizer, texts, device = _load(cfg)
+        cfg, note = _without_cache(cfg, loaded)
     except ConfigError as e:
         error(str(e))
         return 2
-    note = ""
     if cfg.quantize == "int8":
         from perfrun.inference.int8 import quantize_int8
 
         try:
-            note = f", {quantize_int8(loaded.model).describe()}"
+            note += f", {quantize_int8(loaded.model).describe()}"
         except ConfigError as e:
             error(str(e))
             return 2

@@ -22,6 +22,7 @@ from perfrun.console import first_line
 from perfrun.data.tokenizers import BYTE_VOCAB, Tokenizer, load_tokenizer
 from perfrun.model_schema import ModelConfig
 from perfrun.models.gpt import GPT, GPTConfig
+from perfrun.models.hf import HFCausalLM, build_hf
 from perfrun.models.llama import Llama, LlamaConfig
 
 BYTE_SOURCES = ("pysource", "text")  # data= sources whose tokens are bytes unless a tokenizer is named
@@ -31,7 +32,7 @@ BYTE_SOURCES = ("pysource", "text")  # data= sources whose tokens are bytes unle
 class Loaded:
     """A checkpoint's model, rebuilt in eval mode, and what inference needs to know of it."""
 
-    model: GPT | Llama
+    model: GPT | Llama | HFCausalLM
     path: Path
     step: int
     vocab_size: int  # the real vocabulary: logits above it are padding, never sampled
@@ -42,8 +43,19 @@ class Loaded:
         return self.config.get("data", {}) or {}
 
     @property
+    def folder_tokenizer(self) -> Path | None:
+        """model=hf: the folder's tokenizer.json, where it has one."""
+        m = self.config.get("model", {}) or {}
+        found = Path(str(m.get("path"))).expanduser() / "tokenizer.json" if m.get("family") == "hf" else None
+        return found if found is not None and found.is_file() else None
+
+    @property
     def tokenizer_spec(self) -> str:
-        return str(self.data.get("tokenizer") or "byte")
+        """The run's data.tokenizer; for model=hf trained without one, the folder's tokenizer.json."""
+        given = self.data.get("tokenizer")
+        if not given and self.folder_tokenizer is not None:
+            return str(self.folder_tokenizer)
+        return str(given or "byte")
 
     def tokenizer(self) -> Tokenizer:
         """The tokenizer the model was trained with; refused with one line when its
@@ -54,7 +66,8 @@ class Loaded:
         except ConfigError as e:
             raise ConfigError(f"checkpoint={self.path} records data.tokenizer={spec}, which perfrun cannot load "
                               f"here ({e})") from None
-        if tok.vocab_size != self.vocab_size or tok.vocab_size > self.model.config.vocab_size:
+        own = self.folder_tokenizer is not None and spec == str(self.folder_tokenizer)
+        if (tok.vocab_size != self.vocab_size and not own) or tok.vocab_size > self.model.config.vocab_size:
             what = self.data.get("name", "?")
             kind = "bytes" if spec == "byte" else f"the {tok.vocab_size} of tokenizer {spec}"
             raise ConfigError(
@@ -94,10 +107,15 @@ def _as_checkpoint_error(e: ConfigError, path: Path) -> ConfigError:
     return ConfigError(str(e).replace(f"resume={path}", f"checkpoint={path}"))
 
 
-def build_model(shape: dict[str, Any], config: dict[str, Any], path: Path | str = "the checkpoint") -> GPT | Llama:
+def build_model(shape: dict[str, Any], config: dict[str, Any], path: Path | str = "the checkpoint") -> GPT | Llama | HFCausalLM:
     """The model the checkpoint describes: its shape, and its family's fields from the model
-    group it recorded (a checkpoint written before the Llama family is a GPT)."""
+    group it recorded (a checkpoint written before the Llama family is a GPT); model=hf:
+    the architecture of its folder's config.json (the checkpoint's weights replace the
+    folder's, so none are read there)."""
     mcfg = config.get("model", {}) or {}
+    if mcfg.get("family") == "hf":
+        m = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), mcfg, {"init": "random"}))
+        return build_hf(m, int(shape["vocab_size"]), str(config.get("attention", "sdpa")))
     if mcfg.get("family") == "custom":  # its class is never imported: no file names code that runs
         raise ConfigError(f"checkpoint={path} holds a custom model (model.target={mcfg.get('target')}); perfrun never "
                           "imports a class that a file names, and generate and export rebuild only the decoder LMs "

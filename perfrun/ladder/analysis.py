@@ -269,7 +269,8 @@ def _model(rs: _Rungs, rows: list[Row]) -> dict[str, Any]:
         s = rs.summary(row)
         if s.get("status") == "completed":
             m = (s.get("config") or {}).get("model") or {}
-            return {"name": m.get("name", "?"), "target": m.get("target"), "class": s.get("model_class"),
+            return {"name": m.get("name", "?"), "target": m.get("target"), "path": m.get("path"),
+                    "class": s.get("model_class"),
                     "params": s.get("params"), "flops_per_token": s.get("flops_per_token"),
                     "flops_per_token_source": s.get("flops_per_token_source", "formula")}
     return {}

@@ -35,6 +35,7 @@ from perfrun.environment import environment, global_state, rank_info
 from perfrun.loop.schedule import Loop, build_loop, train_loop
 from perfrun.loop.setup import Resolved, setup
 from perfrun.loop.stopping import GracefulStop, Interrupted
+from perfrun.models.pretrained import with_folder_shape
 from perfrun.summary import RunSummary
 from perfrun.telemetry import contention
 from perfrun.telemetry.loggers import build_sinks
@@ -75,6 +76,7 @@ def run(cfg: TrainConfig, run_dir: Path | None, *, overrides: list[str] | None =
     sink: RecordSink | None = None
     device: torch.device | None = None
     try:
+        cfg = with_folder_shape(cfg)  # model=llama model.init_from=FOLDER: the folder's shape
         with ExitStack() as stack, GracefulStop() as stop:
             _hold_folders(cfg, run_dir, stack)
             record.owned = True

@@ -25,6 +25,7 @@ from perfrun.models.build import build_model
 from perfrun.models.contract import describe, knob_fits, model_class, parameter_counts
 from perfrun.models.custom import check_forward, check_vocab
 from perfrun.models.flops import flops_figure
+from perfrun.models.hf import describe as hf_describe
 from perfrun.optimizer import build_optimizer, build_scheduler
 from perfrun.summary import RunSummary
 from perfrun.telemetry.mfu import mfu_dtype, resolve_peak
@@ -110,6 +111,8 @@ def setup(cfg: TrainConfig, stack: ExitStack, resolved: Resolved, found: FoundBa
     m = cfg.model
     model = build_model(m, data.vocab_size, cfg.attention)
     resolved.vocab_size_padded = getattr(getattr(model, "config", None), "vocab_size", data.vocab_size)
+    if m.family == "hf":  # the architecture and shape the folder gave, and where its weights came from
+        log.info(hf_describe(model))
     example = data.train[0]
     if m.family == "custom":  # the data's ids must fit its vocabulary; its forward must give (logits or None, loss)
         check_vocab(model, str(m.target), data.vocab_size, cfg.data.name)

@@ -130,6 +130,8 @@ def _estimated_config(cfg: TrainConfig, device: torch.device, target: str) -> tu
     """The configuration the fake steps run, and what that leaves out."""
     notes: list[str] = []
     changes: dict[str, Any] = {"model.init_from": None}
+    if cfg.model.family == "hf":  # the folder's shapes; its weights are not needed to count bytes
+        changes["model.init"] = "random"
     if cfg.compile:
         changes["compile"] = False
         notes.append("compile=true estimated eager (compiled code usually needs no more memory)")

@@ -167,4 +167,6 @@ def parameter_counts(model: nn.Module) -> dict[str, int]:
 
 
 def model_class(model: nn.Module) -> str:
-    return f"{type(model).__module__}.{type(model).__qualname__}"
+    """The class trained: a wrapper's ``architecture_class`` (model=hf: transformers' class), else the model's."""
+    cls = getattr(model, "architecture_class", type(model))
+    return f"{cls.__module__}.{cls.__qualname__}"

@@ -194,7 +194,8 @@ class FlopsFigure:
 def flops_figure(model: nn.Module, example: tuple[torch.Tensor, torch.Tensor], seq_len: int) -> FlopsFigure:
     """Both figures for ``model`` (before any knob wraps it), ``example`` one dataset item."""
     x, y = (t.unsqueeze(0) for t in example)
-    formula = float(model.flops_per_token(seq_len)) if contract.has(model, "flops") else None
+    given = model.flops_per_token(seq_len) if contract.has(model, "flops") else None  # None: no formula for it
+    formula = float(given) if given is not None else None
     try:
         return FlopsFigure(counted_flops_per_token(model, x, y), formula)
     except Exception as e:  # noqa: BLE001 - the user's model under FakeTensorMode: said in the log, not fatal

@@ -23,8 +23,10 @@ that zero or random rows would have against GPT-2's trained logits.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +34,7 @@ import torch
 from omegaconf import OmegaConf
 
 from perfrun.checkpoint.safe_loading import load_pt
-from perfrun.config import ConfigError, config_dir
+from perfrun.config import ConfigError, TrainConfig, config_dir
 from perfrun.console import first_line, json_kinds
 from perfrun.model_schema import ModelConfig
 from perfrun.models.gpt import GPT
@@ -43,6 +45,10 @@ SHAPE = {"n_layer": "n_layer", "n_head": "n_head", "n_embd": "n_embd", "block_si
 ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")  # GELU with the tanh approximation, as perfrun's
 BUFFER = re.compile(r"^h\.\d+\.attn\.(masked_)?bias$")  # transformers' causal-mask buffers, not weights
 INSTALL_SAFETENSORS = "pip install safetensors (or 'perfrun[export]')"
+# the model groups of a whole family rather than a preset: with model.init_from their shape is the folder's
+FAMILY_GROUPS = ("llama",)
+
+log = logging.getLogger("perfrun")
 
 
 def config_json(folder: Path, shown: str, family: str = "gpt") -> dict[str, Any]:
@@ -267,7 +273,8 @@ def check_llama_shape(config: dict[str, Any], model: Llama, model_cfg: ModelConf
         differ.append(f"max_position_embeddings {context} (here block_size {c.block_size})")
         overrides += f" model.block_size={context}"
     raise ConfigError(f"{shown} is a Llama of another shape than model={model_cfg.name}: {', '.join(differ)}; use "
-                      + (f"model={preset} (or {overrides})" if preset else overrides))
+                      + (f"model={preset} (or {overrides})" if preset else overrides)
+                      + ", or model=llama, which takes the folder's shape from its config.json")
 
 
 def _init_llama(model: Llama, model_cfg: ModelConfig, data_vocab: int, folder: Path, shown: str) -> Llama:
@@ -323,3 +330,24 @@ def init_from(model: GPT | Llama, model_cfg: ModelConfig, data_vocab: int) -> GP
         del sd[key]
     _load(model, sd, shown)
     return model
+
+
+def with_folder_shape(cfg: TrainConfig) -> TrainConfig:
+    """``model=llama model.init_from=FOLDER``: the job's configuration with the folder's shape
+    (config.json, as from_pretrained reads it) in the model group, logged, so that everything
+    reading the shape (validation, FLOPs, the estimate, the recorded configuration, resume)
+    reads the folder's. A preset keeps its own shape, which the folder must match."""
+    m = cfg.model
+    if m.name not in FAMILY_GROUPS or not m.init_from:
+        return cfg
+    folder = Path(str(m.init_from)).expanduser()
+    shown = f"model.init_from={m.init_from}"
+    shape = llama_shape(config_json(folder, shown, "llama"), shown)
+    nested: dict[str, Any] = {}
+    for key, value in shape.items():
+        group, _, leaf = key.rpartition(".")
+        (nested.setdefault(group, {}) if group else nested)[leaf] = value
+    merged = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(m), nested))
+    log.info(f"model=llama: the shape of {folder / 'config.json'}: "
+             + ", ".join(f"{k} {str(v).lower() if isinstance(v, bool) else v}" for k, v in shape.items()))
+    return replace(cfg, model=merged)

@@ -210,6 +210,8 @@ def header(report: Report) -> list[str]:
 def model_line(m: dict[str, Any]) -> str:
     """Which model a ladder measured: its name, size, and FLOPs per token with their source."""
     name = m["name"] + (f" ({m['target']})" if m.get("target") else "")
+    if m.get("path"):  # model=hf: the architecture transformers built, and its folder
+        name += f" ({str(m.get('class') or '?').rsplit('.', 1)[-1]} from {m['path']})"
     params = f"{m['params'] / 1e6:,.2f}M parameters" if m.get("params") else "parameters not recorded"
     flops = (f"{m['flops_per_token'] / 1e6:,.2f}M FLOPs per token ({m['flops_per_token_source']})"
              if m.get("flops_per_token") else "FLOPs per token not recorded")
