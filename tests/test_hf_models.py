@@ -247,31 +247,25 @@ def test_estimated_and_laddered_like_perfrun_own(folders: dict[str, Path], tmp_p
     assert "Qwen2ForCausalLM from" in line and "M parameters" in line and "FLOPs per token (formula)" in line
 
 
-@pytest.fixture
-def swap_on_move() -> Any:
-    """nn.Module.to() swapping each parameter (torch.utils.swap_tensors), as it does for a
-    tensor-subclass parameter or where this public flag asks: a swap refuses a parameter that
-    anything holds a weak reference to, so a move then fails on whatever setup left behind."""
-    before = torch.__future__.get_swap_module_params_on_conversion()
-    torch.__future__.set_swap_module_params_on_conversion(True)
-    yield
-    torch.__future__.set_swap_module_params_on_conversion(before)
-
-
 @pytest.mark.slow
-def test_a_transformers_module_wrapped_as_model_custom_trains(tmp_path: Path, one_thread: None,
-                                                              swap_on_move: None) -> None:
-    """model=custom with a user's wrapper around Qwen2ForCausalLM: the forward check, the knob
-    fits and the FLOP count (under fake tensors) leave no reference on its parameters, so the
-    move to the device swaps them and the run trains."""
+def test_a_transformers_module_wrapped_as_model_custom_trains_with_the_memory_estimate(tmp_path: Path,
+                                                                                    one_thread: None) -> None:
+    """model=custom with a user's wrapper that builds Qwen2ForCausalLM (tied embeddings) and
+    calls ``.to(dtype)`` in its __init__: the memory estimate builds it too, and a module made
+    under fake tensors cannot be moved (torch swaps a fake parameter, and refuses one the fake
+    mode holds a weak reference to). The estimate is made, with the tied weight once, and the
+    run trains."""
     from perfrun.loop.run import run
 
     target = f"{Path(__file__).parent / 'fixtures' / 'hf_wrapper.py'}:QwenWrapper"
     s = run(make_cfg("model=custom", f"model.target={target}", "data=synthetic", f"data.vocab_size={VOCAB}",
                      "model.block_size=32", "max_steps=4", "dataloader.batch_size=2", "memory.estimate=true"), tmp_path)
-    assert s["status"] == "completed", s.get("error")
+    assert s["status"] == "completed", s.get("reason")
     assert s["model_class"].endswith("QwenWrapper") and s["flops_per_token_source"] == "counted"
     assert s["flops_per_token_counted"] > 0 and s["final_train_loss"] < 6.0
+    estimate = s["memory_estimate"]
+    assert "error" not in estimate, estimate
+    assert estimate["categories_bytes"]["Parameter"] == 4 * s["params"]  # float32, the tied weight once
 
 
 def test_model_llama_takes_the_folder_shape_a_preset_refuses_it(tmp_path: Path, one_thread: None,

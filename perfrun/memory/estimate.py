@@ -154,14 +154,12 @@ def _steps(cfg: TrainConfig, device: torch.device, vocab_size: int, batch: int, 
     """Build everything under fake tensors, create the optimizer's state and run one optimizer
     step under the tracker; yield the tracker (its figures stay readable after the fake mode ends)."""
     from perfrun.knobs import apply_knobs
-    from perfrun.models.build import build_model
     from perfrun.optimizer import build_optimizer
 
     with ExitStack() as stack:
         stack.enter_context(_quiet_knob_logs())
         mode = stack.enter_context(fake_mode()) if fake else None
-        with device:  # built where it runs: a fake model cannot be moved (its tensors are swapped)
-            model = build_model(cfg.model, vocab_size, cfg.attention)
+        model = _built(cfg, vocab_size, device, mode)
         with unfaked(mode):  # FSDP2 builds its device mesh from real tensors; the parameters stay fake
             plan = apply_knobs(cfg, device, model, stack)
         if plan.scaler.is_enabled():  # fp16: the scaler reads inf checks back, which fake tensors cannot
@@ -179,6 +177,41 @@ def _steps(cfg: TrainConfig, device: torch.device, vocab_size: int, batch: int, 
         with tracker, _said_in_one_line(tracker):
             _fake_step(plan, optimizer, params, clip, batch, seq_len, vocab_size, device, tracker)
         yield tracker
+
+
+def _built(cfg: TrainConfig, vocab_size: int, device: torch.device, mode: Any) -> torch.nn.Module:
+    """The run's model with fake tensors on ``device`` (real ones where ``mode`` is None).
+
+    A module made under fake tensors cannot be moved or cast: ``nn.Module._apply`` swaps each
+    fake parameter (``torch.utils.swap_tensors``), which refuses one the fake mode's memo holds
+    a weak reference to. perfrun's own builders never move their module; a user's (model=custom)
+    may, as a transformers wrapper's ``.to(dtype)`` does, so it is built on the meta device,
+    outside the fake mode, and its tensors are then replaced by fake ones on ``device``."""
+    from perfrun.models.build import build_model
+
+    if mode is None or cfg.model.family != "custom":
+        with device:  # built where it runs, so that nothing moves it
+            return build_model(cfg.model, vocab_size, cfg.attention)
+    with unfaked(mode), torch.device("meta"):
+        model = build_model(cfg.model, vocab_size, cfg.attention)
+    return fake_tensors_on(model, device)
+
+
+def fake_tensors_on(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """``model`` (built on the meta device) with each parameter and buffer replaced, in place,
+    by an empty one of its shape and dtype on ``device``, made under the caller's fake mode.
+    A tensor that several modules share (tied embeddings) stays one tensor: ``to_empty``
+    would give each module its own (its ``_apply`` cannot swap a meta tensor for a fake one)."""
+    made: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        owned = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+        for name, tensor in owned:
+            if id(tensor) not in made:
+                empty = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)  # a meta input is not faked
+                made[id(tensor)] = (torch.nn.Parameter(empty, requires_grad=tensor.requires_grad)
+                                    if isinstance(tensor, torch.nn.Parameter) else empty)
+            setattr(module, name, made[id(tensor)])  # a buffer keeps its registration (persistent or not)
+    return model
 
 
 @contextmanager
