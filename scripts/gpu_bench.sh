@@ -380,6 +380,7 @@ suite_smoke() {
   smoke_row "loss=chunked, compiled, tiny (GPT-2 vocabulary)" loss_chunked 120 \
     "$R/smoke_loss_chunked knobs.loss tokens_per_s_median peak_mem_mib" \
     "$PY" -m perfrun train $TINY_CUDA loss=chunked compile=true hydra.run.dir="$R/smoke_loss_chunked"
+  smoke_memory_knob_rows
   smoke_memmap_rows
   smoke_fsdp_rows
   smoke_row "profile=true memory_snapshot=true, tiny" profile 120 \
@@ -390,6 +391,19 @@ suite_smoke() {
   smoke_estimate_rows
   smoke_row "pytest -m gpu (in what is left of the budget)" pytest_gpu 600 tail \
     "$PY" -m pytest -m gpu -q -p no:cacheprovider
+}
+
+smoke_memory_knob_rows() {  # the memory knobs on CUDA: offloading (CUDA only), 8-bit AdamW, the step in the backward
+  local offload
+  for offload in activations optimizer; do
+    smoke_row "offload=$offload, tiny" "offload_$offload" 120 \
+      "$R/smoke_offload_$offload knobs.offload tokens_per_s_median peak_mem_mib" \
+      "$PY" -m perfrun train $TINY_CUDA offload=$offload hydra.run.dir="$R/smoke_offload_$offload"
+  done
+  smoke_row "optim=adamw8bit, optim.in_backward=true, tiny" optim_memory 120 \
+    "$R/smoke_optim_memory knobs.optim_in_backward tokens_per_s_median peak_mem_mib" \
+    "$PY" -m perfrun train $TINY_CUDA optim=adamw8bit optim.in_backward=true optim.grad_clip=0 \
+    hydra.run.dir="$R/smoke_optim_memory"
 }
 
 smoke_memmap_rows() {  # a byte corpus of this checkout's Python files, read through the device input path

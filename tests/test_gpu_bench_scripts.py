@@ -114,6 +114,9 @@ SMOKE_PATHS = [  # (what the row must run, a regular expression its printed comm
     ("max-autotune, accumulation", r"compile_options.mode=max-autotune accumulation.steps=2 "),
     ("memmap device input", r"data=memmap .*dataloader.device_input=true device=cuda"),
     ("chunked loss compiled", r"loss=chunked compile=true"),
+    ("offloaded activations", r"-m perfrun train .*device=cuda.* offload=activations "),
+    ("offloaded optimizer", r"-m perfrun train .*device=cuda.* offload=optimizer "),
+    ("8-bit AdamW stepped in the backward", r"optim=adamw8bit optim.in_backward=true optim.grad_clip=0 "),
     ("generate, CUDA graphs, batched", r"-m perfrun generate .*batch_size=4 compile=true .*device=cuda"),
     ("FSDP2 saved", r"torch.distributed.run .*distributed=fsdp fsdp.forward_prefetch=1 fsdp.backward_prefetch=1 "
                     r".*checkpoint.every_n_steps=6"),

@@ -15,7 +15,16 @@ from perfrun import distributed
 from perfrun.config import ConfigError, TrainConfig, as_dict
 from perfrun.data import build_datasets, build_loader
 from perfrun.environment import device_name
-from perfrun.knobs import Plan, apply_knobs, fp8, fsdp, refuse_unmet
+from perfrun.knobs import (
+    Plan,
+    apply_knobs,
+    fp8,
+    fsdp,
+    offload,
+    optim_in_backward,
+    optim_state,
+    refuse_unmet,
+)
 from perfrun.loop.found_batches import FoundBatches
 from perfrun.loop.host_heap import keep_freed_memory
 from perfrun.loop.memory.preflight import auto_batch_start, train_preflight
@@ -90,10 +99,13 @@ def setup(cfg: TrainConfig, stack: ExitStack, resolved: Resolved, found: FoundBa
         raise ConfigError(f"seed={cfg.seed} is outside what the random number generators take (0 to 2**32-1, numpy's "
                           "limit); choose a seed in that range")
     fsdp.check(cfg)
+    optim_state.check(cfg.optim, cfg.distributed)
+    optim_in_backward.check(cfg)
     device = distributed.setup_device(cfg.device, cfg.distributed, stack)
     resolved.device = str(device)
     host_heap = keep_freed_memory() if device.type == "cpu" else None  # before the first tensor of the run
     fp8.check(cfg, device)  # refused before any data or model is built
+    offload.check(cfg, device)
     rank, world = distributed.rank(), distributed.world_size()
     snapshot = start_memory_history(cfg, device, stack)
     distributed.seed_everything(cfg.seed)
@@ -118,7 +130,8 @@ def setup(cfg: TrainConfig, stack: ExitStack, resolved: Resolved, found: FoundBa
     model = model.to(device)
     plan = apply_knobs(cfg, device, model, stack)
     resolved.knobs = plan.notes
-    optimizer, fused = build_optimizer(model, cfg.optim, device)
+    optimizer, fused = build_optimizer(model, cfg.optim, device, offload=cfg.offload.name == "optimizer")
+    plan.attach(optimizer)
     if world > 1:
         distributed.seed_rank(cfg.seed, rank)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.max_steps)

@@ -1,0 +1,120 @@
+"""The memory knobs that make a model fit: AdamW's moments in 8 or 4 bits (torchao), the
+optimizer step in the backward, offloading to host memory (CUDA). Each trains, resumes bit for
+bit and, where it should, gives the same run as the knob's absence."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from perfrun.checkpoint import files as checkpoint_files
+from perfrun.loop.run import run
+
+from conftest import make_cfg
+
+# matrices of 4096 values or more (torchao keeps smaller tensors' moments in fp32), divisible
+# by both block sizes (256 and 128): the quantized state is exercised
+QUANTIZED = ["model.n_embd=64", "dataloader.batch_size=8"]
+
+
+def train_records(run_dir: Path) -> dict[int, dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r for r in map(json.loads, lines) if r["kind"] == "train"}
+
+
+def resumed_equals_uninterrupted(tmp_path: Path, *common: str) -> dict:
+    """Train 8 steps, and 4 then 4 more from the step-4 checkpoint: the resumed losses must
+    equal the uninterrupted run's bit for bit. Returns the step-4 checkpoint."""
+    common = ("max_steps=8", "log_every=1", *common)
+    full = run(make_cfg(*common, "checkpoint.every_n_steps=4", "checkpoint.keep_last=5"), tmp_path / "full")
+    ckpt = tmp_path / "full" / "checkpoints" / "step_0000004.pt"
+    resumed = run(make_cfg(*common, f"resume={ckpt}"), tmp_path / "resumed")
+    a, b = train_records(tmp_path / "full"), train_records(tmp_path / "resumed")
+    assert sorted(b) == [5, 6, 7, 8] and resumed["start_step"] == 4
+    assert [a[k]["loss"] for k in range(5, 9)] == [b[k]["loss"] for k in range(5, 9)]
+    assert [a[k]["lr"] for k in range(5, 9)] == [b[k]["lr"] for k in range(5, 9)]
+    assert resumed["final_val_loss"] == full["final_val_loss"]
+    return torch.load(ckpt, map_location="cpu", weights_only=True)
+
+
+@pytest.mark.slow  # torchao compiles its step for each parameter shape (inductor, C++)
+@pytest.mark.parametrize("name,codes_per_value", [("adamw8bit", 1.0), ("adamw4bit", 0.5)])
+def test_low_bit_adamw_resumes_bit_exact_from_plain_tensors(tmp_path: Path, name: str, codes_per_value: float) -> None:
+    """The 8/4-bit moments are saved as their codes, scales and map (weights-only loadable:
+    torch's unpickler makes no tensor subclass) and come back to continue the run exactly."""
+    ckpt = resumed_equals_uninterrupted(tmp_path, f"optim={name}", *QUANTIZED)
+    shapes = {k: v.shape for k, v in ckpt["model"].items()}
+    quantized = 0
+    for entry in ckpt["optimizer"]["state"].values():
+        for moment in ("exp_avg", "exp_avg_sq"):
+            value = entry[moment]
+            if isinstance(value, dict):  # a quantized moment, as its parts
+                quantized += 1
+                assert value["codes"].dtype == torch.uint8
+                numel = value["codes"].numel() / codes_per_value
+                assert numel >= 4096 and any(numel == s.numel() for s in shapes.values())
+            else:
+                assert value.dtype == torch.float32 and value.numel() < 4096
+    assert quantized >= 2 * 4  # every matrix of both blocks and the embedding at the least
+
+
+def test_low_bit_adamw_is_refused_where_unmeasured(tmp_path: Path) -> None:
+    from perfrun.config import ConfigError
+
+    with pytest.raises(ConfigError, match="optim=adamw4bit with distributed=ddp"):
+        run(make_cfg("optim=adamw4bit", "distributed=ddp"), tmp_path)
+    assert not (tmp_path / "summary.json").exists() or json.loads((tmp_path / "summary.json").read_text())["status"] == "failed"
+
+
+@pytest.mark.parametrize("extra", [
+    pytest.param([], id="fp32"),
+    pytest.param(["precision=bf16", "checkpointing=full"], id="bf16-checkpointed"),
+    pytest.param(["loss=chunked", "model.dropout=0.1"], id="chunked-dropout"),
+])
+def test_optimizer_step_in_the_backward_trains_as_the_step_after_it(tmp_path: Path, extra: list[str]) -> None:
+    """Each parameter stepped in its gradient's hook gives the losses and weights of the step
+    after the backward, bit for bit (the same AdamW, the same rates from the schedule); the
+    gradient norm is summed in another order, so equal to rounding."""
+    common = ["max_steps=6", "log_every=1", "optim.grad_clip=0", "checkpoint.every_n_steps=6", *extra]
+    after = run(make_cfg(*common), tmp_path / "after")
+    inside = run(make_cfg(*common, "optim.in_backward=true"), tmp_path / "inside")
+    a, b = train_records(tmp_path / "after"), train_records(tmp_path / "inside")
+    assert [a[k]["loss"] for k in a] == [b[k]["loss"] for k in b] and len(a) == 6
+    assert [a[k]["lr"] for k in a] == [b[k]["lr"] for k in b]
+    assert [b[k]["grad_norm"] for k in b] == pytest.approx([a[k]["grad_norm"] for k in a], rel=1e-6)
+    weights = [torch.load(checkpoint_files.list_checkpoints(tmp_path / d / "checkpoints")[-1], map_location="cpu",
+                          weights_only=True)["model"] for d in ("after", "inside")]
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+    assert inside["knobs"]["optim_in_backward"] is True and after["final_val_loss"] == inside["final_val_loss"]
+
+
+def test_optimizer_step_in_the_backward_resumes_bit_exact(tmp_path: Path) -> None:
+    resumed_equals_uninterrupted(tmp_path, "optim.in_backward=true", "optim.grad_clip=0", "model.dropout=0.1")
+
+
+@pytest.mark.slow  # compiles the tiny model twice (inductor, C++)
+def test_optimizer_step_in_the_backward_under_compile(tmp_path: Path, one_cxx_build_per_graph: None) -> None:
+    """Under torch.compile the hooks still fire on the plain model's parameters (after the
+    compiled backward accumulates each gradient): the losses match the compiled run's."""
+    common = ["max_steps=4", "log_every=1", "optim.grad_clip=0", "compile=true"]
+    run(make_cfg(*common), tmp_path / "after")
+    run(make_cfg(*common, "optim.in_backward=true"), tmp_path / "inside")
+    a, b = train_records(tmp_path / "after"), train_records(tmp_path / "inside")
+    assert [a[k]["loss"] for k in a] == pytest.approx([b[k]["loss"] for k in b], rel=1e-6) and len(a) == 4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("offload", ["activations", "optimizer"])
+def test_offload_trains_as_without_it(tmp_path: Path, offload: str) -> None:
+    """Offloaded activations or optimizer give the losses of the run without offloading (the
+    same arithmetic, the tensors parked on the host), and resume exactly."""
+    common = ["device=cuda", "max_steps=6", "log_every=1", "model.n_embd=64"]
+    run(make_cfg(*common), tmp_path / "none")
+    summary = run(make_cfg(*common, f"offload={offload}"), tmp_path / offload)
+    a, b = train_records(tmp_path / "none"), train_records(tmp_path / offload)
+    assert [b[k]["loss"] for k in b] == pytest.approx([a[k]["loss"] for k in a], rel=1e-5)
+    assert summary["knobs"]["offload"] == offload
+    resumed_equals_uninterrupted(tmp_path / "resume", "device=cuda", "model.n_embd=64", f"offload={offload}")
