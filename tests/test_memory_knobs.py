@@ -11,9 +11,12 @@ import pytest
 import torch
 
 from perfrun.checkpoint import files as checkpoint_files
+from perfrun.commands import estimate as estimate_command
+from perfrun.knobs.optim_state import state_bytes
+from perfrun.loop.memory.estimate import estimate
 from perfrun.loop.run import run
 
-from conftest import make_cfg
+from conftest import TINY_MODEL, make_cfg
 
 # matrices of 4096 values or more (torchao keeps smaller tensors' moments in fp32), divisible
 # by both block sizes (256 and 128): the quantized state is exercised
@@ -59,6 +62,10 @@ def test_low_bit_adamw_resumes_bit_exact_from_plain_tensors(tmp_path: Path, name
             else:
                 assert value.dtype == torch.float32 and value.numel() < 4096
     assert quantized >= 2 * 4  # every matrix of both blocks and the embedding at the least
+    # the estimate's layout of the state (fake tensors cannot make torchao's) is the saved state's size
+    saved = sum(t.numel() * t.element_size() for entry in ckpt["optimizer"]["state"].values() for v in entry.values()
+                for t in ([v[k] for k in ("codes", "scale", "qmap")] if isinstance(v, dict) else [v]))
+    assert saved == state_bytes(name, [s.numel() for s in shapes.values()])
 
 
 def test_low_bit_adamw_is_refused_where_unmeasured(tmp_path: Path) -> None:
@@ -104,6 +111,67 @@ def test_optimizer_step_in_the_backward_under_compile(tmp_path: Path, one_cxx_bu
     run(make_cfg(*common, "optim.in_backward=true"), tmp_path / "inside")
     a, b = train_records(tmp_path / "after"), train_records(tmp_path / "inside")
     assert [a[k]["loss"] for k in a] == pytest.approx([b[k]["loss"] for k in b], rel=1e-6) and len(a) == 4
+
+
+SMALL = ["data=synthetic", "data.vocab_size=256", *TINY_MODEL, "model.n_embd=64"]
+
+
+def test_the_estimate_holds_low_bit_state_at_its_size_and_no_gradients_in_the_backward() -> None:
+    """fp32 AdamW's state under the tracker is the layout's fp32 figure; the 8/4-bit state is
+    its layout's; stepping in the backward holds no gradient at the step's peak (a batch of
+    one short sequence: the peak is the optimizer step's, where the gradients were)."""
+    cfg = [*SMALL, "dataloader.batch_size=1", "data.seq_len=4"]
+    base = estimate(make_cfg(*cfg), 256, top=0)
+    numels = [p.numel() for p in torch.nn.Module.parameters(_model(make_cfg(*cfg)))]
+    assert base.breakdown.categories["Optstate"] == state_bytes("adamw", numels)
+    for name in ("adamw8bit", "adamw4bit"):
+        low = estimate(make_cfg(*cfg, f"optim={name}"), 256, top=0)
+        assert low.breakdown.categories["Optstate"] == state_bytes(name, numels) < state_bytes("adamw", numels) / 3
+        assert base.peak_bytes - low.peak_bytes == state_bytes("adamw", numels) - state_bytes(name, numels)
+        assert any(name in note for note in low.not_counted)
+    assert base.breakdown.categories["Gradient"] > 0
+    inside = estimate(make_cfg(*cfg, "optim.in_backward=true", "optim.grad_clip=0"), 256, top=0)
+    assert inside.breakdown.categories["Gradient"] == 0 and inside.peak_bytes < base.peak_bytes
+
+
+def _model(cfg):
+    from perfrun.models.build import build_model
+
+    with torch.device("meta"):
+        return build_model(cfg.model, 256, cfg.attention)
+
+
+@pytest.mark.slow  # some twenty estimates, three of them FSDP2's
+def test_the_command_ranks_every_memory_knob_and_names_the_cheapest_that_fits(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Every memory knob the CPU allows, estimated alone and listed by its peak; with a ladder's
+    sweep summary, the speed it measured beside each, and the fastest that fits named."""
+    words = [*SMALL, "dataloader.batch_size=2", "data.seq_len=8"]  # the optimizer state a good part of the peak
+    peak = estimate(make_cfg(*words), 256, top=0).peak_bytes
+    ladder = tmp_path / "sweep_summary.json"  # a ladder's summary as perfrun report writes it: the keys read
+    ladder.write_text(json.dumps({"ablation": [{
+        "top": "chunked_loss", "ladder": [{"rung": "chunked_loss", "tokens_per_s": 1000.0}],
+        "tradeoffs": [{"setting": "checkpointing=full", "rung": "checkpointing_full", "tokens_per_s": 700.0},
+                      {"setting": "optim=adamw8bit", "rung": "adamw8bit", "tokens_per_s": 900.0},
+                      {"setting": "checkpointing=none", "rung": "chunked_loss", "tokens_per_s": 1000.0}]}]}))
+    out = tmp_path / "estimate.json"
+    code = estimate_command.main([*words, f"memory.size={int(peak * 0.85)}B", f"estimate.ladder={tmp_path}",
+                                  f"estimate.out={out}"])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    knobs = {k["overrides"]: k for k in json.loads(out.read_text())["knobs"]}
+    assert {"loss=chunked", "optim=adamw8bit", "optim=adamw4bit", "optim.in_backward=true optim.grad_clip=0",
+            "checkpointing=selective", "checkpointing=full", "dataloader.batch_size=1 accumulation.steps=2"} <= set(knobs)
+    assert not any(k.startswith("offload") for k in knobs)  # a CPU estimate: nothing to offload to
+    assert knobs["optim=adamw8bit"]["speed"] == 0.9 and knobs["checkpointing=full"]["speed"] == 0.7
+    rows = [line for line in printed.split("each memory knob alone")[1].splitlines()[1:] if " peak " in line]
+    ranked = [line[4:52].strip() for line in rows]
+    assert [knobs[o]["peak_bytes"] for o in ranked] == sorted(knobs[o]["peak_bytes"] for o in ranked)
+    assert len(ranked) >= 7
+    fitting = {o for o, k in knobs.items() if k["fits"]}
+    assert "optim=adamw8bit" in fitting  # 8-bit state: 6 bytes a parameter less
+    named = [line[4:52].strip() for line in rows if line.endswith("<- cheapest that fits")]
+    assert named == [max((o for o in fitting if knobs[o]["speed"] is not None), key=lambda o: knobs[o]["speed"])]
 
 
 @pytest.mark.gpu

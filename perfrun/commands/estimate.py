@@ -35,6 +35,8 @@ class EstimateOptions:
     fit: bool = field(default=True, metadata={"help": "find the largest batch that fits and, when it does not "
                                                       "fit, the knob that would (more estimates)"})
     out: str | None = field(default=None, metadata={"help": "also write the JSON document to this file"})
+    ladder: str | None = field(default=None, metadata={"help": "a ladder's sweep folder: each memory knob's measured "
+                                                              "speed beside its estimated peak"})
 
 
 @dataclass
@@ -94,13 +96,21 @@ def vocab_of(cfg: TrainConfig) -> int:
 
 def _estimate(cfg: EstimateJobConfig) -> tuple[dict[str, Any], list[str]]:
     from perfrun.loop.memory.estimate import estimate
-    from perfrun.loop.memory.fit import advice, gib, largest_batch, memory_limit, what_fits
+    from perfrun.loop.memory.fit import (
+        advice,
+        ladder_speeds,
+        largest_batch,
+        memory_limit,
+        ranked,
+        what_fits,
+    )
     from perfrun.loop.memory.report import describe, fit_line
 
     if cfg.dataloader.batch_size == "auto":
         raise ConfigError("dataloader.batch_size=auto: the estimate needs a batch size; give one "
                           "(the estimate then says the largest that fits)")
     limit, where = memory_limit(cfg.memory.size)  # a memory.size that is no size is refused before any work
+    speeds = ladder_speeds(cfg.estimate.ladder) if cfg.estimate.ladder else None
     vocab = vocab_of(cfg)
     e = estimate(cfg, vocab, top=cfg.estimate.top)
     lines = describe(cfg, e)
@@ -112,12 +122,14 @@ def _estimate(cfg: EstimateJobConfig) -> tuple[dict[str, Any], list[str]]:
     lines.append(fit_line(e, limit, where, largest, CAP))
     if limit is not None:
         doc["fits"] = e.peak_bytes <= limit
-        if e.peak_bytes > limit and cfg.estimate.fit:
-            fixes = what_fits(cfg, vocab, limit)
+        if cfg.estimate.fit:  # every memory knob, ranked by the peak it gives
+            fixes = what_fits(cfg, vocab, limit, costs=speeds)
             doc["knobs"] = [vars(f) for f in fixes]
-            lines.append("  " + advice(e, limit, where, fixes))
-            lines += [f"    {f.overrides:<48} {'fits' if f.fits else 'no':>4}  "
-                      + (f.error if f.error else f"peak {gib(f.peak_bytes)}") for f in fixes]
+            if e.peak_bytes > limit:
+                lines.append("  " + advice(e, limit, where, fixes))
+            lines.append("  each memory knob alone, by its estimated peak" + (" (speed: the ladder's)" if speeds else
+                                                                          " (give estimate.ladder=DIR for speeds)"))
+            lines += ranked(fixes)
     return doc, lines
 
 
