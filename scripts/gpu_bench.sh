@@ -239,14 +239,15 @@ ladder() {  # ladder NAME GOAL_PCT OVERRIDES...
 # wins over their batch_size=auto) they would run at batch 16 and measure nothing of their own.
 GPT2_RUNGS="naive,naive_seed,tf32,bf16,fp16,sdpa,fused_adamw,compile,workers,device_input,chunked_loss,compile_mode,\
 fp8,without_tf32,without_bf16,without_sdpa,without_fused_adamw,without_compile,without_workers,without_device_input,\
-without_chunked_loss,without_compile_mode,without_fp8,checkpointing_selective,checkpointing_full,accumulation"
+without_chunked_loss,without_compile_mode,without_fp8,checkpointing_selective,checkpointing_full,accumulation,\
+adamw8bit,optim_in_backward,offload_activations"
 
-suite_ladder_gpt2() {  # 26 rungs x 1 repeat; on FP8 GPUs every one but 4 compiled, most in max-autotune mode
+suite_ladder_gpt2() {  # 29 rungs x 1 repeat; on FP8 GPUs every one but 4 compiled, most in max-autotune mode
   ladder gpt2 3 model=gpt2 data=synthetic dataloader.batch_size=16 device=cuda ablation.repeats=1 \
     "+ablation=$GPT2_RUNGS" max_steps=30 timing_warmup_steps=10 log_every=5 eval_every=0
 }
 
-suite_ladder_tiny() {  # the default model and data: 29 rungs x 2 repeats
+suite_ladder_tiny() {  # the default model and data: 32 rungs x 2 repeats (offload_activations: CUDA)
   ladder tiny 3 device=cuda ablation.repeats=2 max_steps=200 timing_warmup_steps=50 eval_every=0
 }
 

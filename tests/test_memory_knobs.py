@@ -12,6 +12,7 @@ import torch
 
 from perfrun.checkpoint import files as checkpoint_files
 from perfrun.commands import estimate as estimate_command
+from perfrun.config import select
 from perfrun.knobs.optim_state import state_bytes
 from perfrun.loop.memory.estimate import estimate
 from perfrun.loop.run import run
@@ -172,6 +173,49 @@ def test_the_command_ranks_every_memory_knob_and_names_the_cheapest_that_fits(
     assert "optim=adamw8bit" in fitting  # 8-bit state: 6 bytes a parameter less
     named = [line[4:52].strip() for line in rows if line.endswith("<- cheapest that fits")]
     assert named == [max((o for o in fitting if knobs[o]["speed"] is not None), key=lambda o: knobs[o]["speed"])]
+
+
+def test_the_ladder_measures_each_memory_knob_from_the_top_rung(tmp_path: Path) -> None:
+    """adamw8bit and optim_in_backward are the top rung with the knob (kind tradeoff, memory
+    tracked); offload_activations is skipped on a CPU with the reason, nothing trained."""
+    from perfrun.commands.rungs import run_rung
+
+    top = make_cfg("+ablation=top", "+sweep=ablation")
+    for rung, changed in (("adamw8bit", {"optim.name": "adamw8bit"}),
+                          ("optim_in_backward", {"optim.in_backward": True, "optim.grad_clip": 0.0}),
+                          ("offload_activations", {"offload.name": "activations"})):
+        cfg = make_cfg(f"+ablation={rung}", "+sweep=ablation")
+        assert cfg.ablation.kind == "tradeoff" and cfg.ablation.rung == rung and cfg.memory.breakdown
+        for key, value in changed.items():
+            assert select(cfg, key) == value != select(top, key)
+        for key in ("compile", "precision.name", "loss.name", "attention", "dataloader.batch_size"):
+            assert select(cfg, key) == select(top, key)
+    overrides = ["+ablation=offload_activations", "repeat=0"]
+    s = run_rung(make_cfg(*overrides), tmp_path / "offload", overrides=overrides)
+    assert s["status"] == "skipped" and s["reason"].startswith("not applicable on cpu")
+    assert not (tmp_path / "offload" / "metrics.jsonl").exists()
+
+
+def test_the_memory_plot_labels_each_trade_off_with_the_category_it_freed() -> None:
+    from perfrun.report.memory_plot import add_savings, bar_labels, memory_png
+
+    def line(setting: str, tps: float, **cats: int) -> dict:
+        bytes_ = {"Parameter": 100, "Buffer": 0, "Gradient": 100, "Optstate": 200, "Activation": 300, "Temp": 10}
+        bytes_.update(cats)
+        return {"setting": setting, "tokens_per_s": tps,
+                "memory_breakdown": {"categories_bytes": bytes_, "peak_bytes": sum(bytes_.values())}}
+
+    lines = [line("checkpointing=none", 1000.0), line("optim=adamw8bit", 900.0, Optstate=50),
+             line("optim.in_backward=true optim.grad_clip=0", 990.0, Gradient=0)]
+    add_savings(lines)
+    assert lines[1]["memory_freed"]["category"] == "Optstate" and lines[2]["memory_freed"]["category"] == "Gradient"
+    assert lines[1]["memory_verdict"] == "optim=adamw8bit freed 0.0 MiB of optimizer state for 10 % of speed"
+    ablation = {"ladder": [], "tradeoffs": lines}
+    labels = bar_labels(ablation)
+    assert labels["optim=adamw8bit"].endswith("optimizer state") and labels[lines[2]["setting"]].endswith("gradients")
+    assert "checkpointing=none" not in labels
+    png = memory_png(ablation)
+    assert png is not None and png.startswith(b"\x89PNG")
 
 
 @pytest.mark.gpu

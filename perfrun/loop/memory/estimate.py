@@ -29,7 +29,6 @@ import dataclasses
 import functools
 import logging
 import time
-import warnings
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -193,10 +192,7 @@ def _steps(cfg: TrainConfig, device: torch.device, vocab_size: int, batch: int, 
                 _fake_step(plan, optimizer, params, clip, batch, seq_len, vocab_size, device, None)
         # the steady step's peak, which no step of the run exceeds
         tracker = Tracker(plan.raw_model, optimizer, fsdp=cfg.distributed == "fsdp")
-        with tracker, _said_in_one_line(tracker), warnings.catch_warnings():
-            # the optimizer step in the backward frees each gradient in its hook, before the tracker's
-            # own hook looks for it: nothing to count, which the tracker warns about
-            warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper-subclass of tensor")
+        with tracker, _said_in_one_line(tracker):
             _fake_step(plan, optimizer, params, clip, batch, seq_len, vocab_size, device, tracker)
         yield tracker, [p.numel() for p in params]
 
