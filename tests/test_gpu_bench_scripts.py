@@ -258,6 +258,10 @@ def test_loss_parity_compares_the_tail_of_two_runs(tmp_path: Path, capsys: pytes
     assert parity.main([str(base), str(fp8), "--window", "0.2"]) == 0
     out = capsys.readouterr().out
     assert "steps 90-100" in out and "(+1.00%)" in out and "largest gap at one step 1.00%" in out
+    assert parity.main([str(base), str(fp8), "--window", "0.2", "--tolerance", "0.005"]) == 1  # 1 % > 0.5 %
+    assert "tolerance 0.50%: EXCEEDED" in capsys.readouterr().out
+    assert parity.main([str(base), str(fp8), "--window", "0.2", "--tolerance", "0.02"]) == 0
+    assert "tolerance 2.00%: within" in capsys.readouterr().out
     assert parity.main([str(base), str(tmp_path / "none")]) == 2
     assert "no train losses" in capsys.readouterr().err
 

@@ -13,7 +13,7 @@ import torch
 from perfrun.checkpoint import files as checkpoint_files
 from perfrun.commands import estimate as estimate_command
 from perfrun.config import select
-from perfrun.knobs.optim_state import state_bytes
+from perfrun.loop.low_bit_adamw import state_bytes
 from perfrun.loop.memory.estimate import estimate
 from perfrun.loop.run import run
 
@@ -67,6 +67,19 @@ def test_low_bit_adamw_resumes_bit_exact_from_plain_tensors(tmp_path: Path, name
     saved = sum(t.numel() * t.element_size() for entry in ckpt["optimizer"]["state"].values() for v in entry.values()
                 for t in ([v[k] for k in ("codes", "scale", "qmap")] if isinstance(v, dict) else [v]))
     assert saved == state_bytes(name, [s.numel() for s in shapes.values()])
+
+
+@pytest.mark.slow  # torchao's step compiled (the shapes of the test above: cached when run after it)
+def test_a_tracked_step_of_low_bit_adamw_counts_its_state_as_the_estimate_does(tmp_path: Path) -> None:
+    """memory.breakdown=true (every ladder rung's): the tracked step runs torchao's step eagerly
+    (its fullgraph compile fails under the tracker) and the run goes on compiled after it; the
+    measured optimizer state is the estimate's layout figure, byte for byte."""
+    words = ["optim=adamw8bit", *QUANTIZED, "data=synthetic", "data.vocab_size=256", "memory.breakdown=true",
+             "max_steps=5", "timing_warmup_steps=2"]
+    summary = run(make_cfg(*words), tmp_path)
+    b = summary["memory"]["breakdown"]
+    assert summary["status"] == "completed" and summary["steps"] == 5 and any("eagerly" in n for n in b["notes"])
+    assert b["categories_bytes"]["Optstate"] == estimate(make_cfg(*words), 256).breakdown.categories["Optstate"]
 
 
 def test_low_bit_adamw_is_refused_where_unmeasured(tmp_path: Path) -> None:

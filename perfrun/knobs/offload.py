@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from contextlib import ExitStack
 from functools import partial
+from typing import Any
 
 import torch
 
 from perfrun.config import ConfigError, TrainConfig
-from perfrun.knobs import Plan
 
 
 def check(cfg: TrainConfig, device: torch.device) -> None:
@@ -34,7 +34,7 @@ def check(cfg: TrainConfig, device: torch.device) -> None:
                           "one GPU; use offload=none")
 
 
-def apply(cfg: TrainConfig, device: torch.device, plan: Plan, stack: ExitStack) -> None:
+def apply(cfg: TrainConfig, device: torch.device, plan: Any, stack: ExitStack) -> None:
     """Activations: the forward runs under ``save_on_cpu`` (the tensors it saves are packed when
     saved, so the context need only span the forward). The optimizer's offload is built with
     the optimizer (perfrun/loop/optimizer.py)."""
@@ -45,10 +45,3 @@ def apply(cfg: TrainConfig, device: torch.device, plan: Plan, stack: ExitStack) 
     if name == "activations":
         plan.contexts.append(partial(torch.autograd.graph.save_on_cpu, pin_memory=True))
     plan.notes["offload"] = name
-
-
-def offloaded(groups: list[dict], optimizer_class: type[torch.optim.Optimizer], **kwargs: object) -> torch.optim.Optimizer:
-    """torchao's ``CPUOffloadOptimizer`` over ``groups``: ``optimizer_class``'s state and step on the host."""
-    from torchao.optim import CPUOffloadOptimizer
-
-    return CPUOffloadOptimizer(groups, optimizer_class, **kwargs)

@@ -20,9 +20,6 @@ from perfrun.knobs import (
     apply_knobs,
     fp8,
     fsdp,
-    offload,
-    optim_in_backward,
-    optim_state,
     refuse_unmet,
 )
 from perfrun.loop.found_batches import FoundBatches
@@ -99,13 +96,10 @@ def setup(cfg: TrainConfig, stack: ExitStack, resolved: Resolved, found: FoundBa
         raise ConfigError(f"seed={cfg.seed} is outside what the random number generators take (0 to 2**32-1, numpy's "
                           "limit); choose a seed in that range")
     fsdp.check(cfg)
-    optim_state.check(cfg.optim, cfg.distributed)
-    optim_in_backward.check(cfg)
     device = distributed.setup_device(cfg.device, cfg.distributed, stack)
     resolved.device = str(device)
     host_heap = keep_freed_memory() if device.type == "cpu" else None  # before the first tensor of the run
     fp8.check(cfg, device)  # refused before any data or model is built
-    offload.check(cfg, device)
     rank, world = distributed.rank(), distributed.world_size()
     snapshot = start_memory_history(cfg, device, stack)
     distributed.seed_everything(cfg.seed)
@@ -130,7 +124,8 @@ def setup(cfg: TrainConfig, stack: ExitStack, resolved: Resolved, found: FoundBa
     model = model.to(device)
     plan = apply_knobs(cfg, device, model, stack)
     resolved.knobs = plan.notes
-    optimizer, fused = build_optimizer(model, cfg.optim, device, offload=cfg.offload.name == "optimizer")
+    optimizer, fused = build_optimizer(model, cfg.optim, device, offload=cfg.offload.name == "optimizer",
+                                       distributed=cfg.distributed)
     plan.attach(optimizer)
     if world > 1:
         distributed.seed_rank(cfg.seed, rank)

@@ -1,5 +1,5 @@
 """AdamW's moments in 8 or 4 bits (``optim=adamw8bit|adamw4bit``): torchao's optimizers,
-and their state saved as plain tensors.
+their state saved as plain tensors, and its size.
 
 torchao keeps each moment of a tensor of 4096 values or more as a tensor subclass (block-wise
 codes, scales and a quantization map); smaller tensors keep fp32 moments. A checkpoint is read
