@@ -95,9 +95,15 @@ class DataConfig:
     args: dict[str, Any] = field(default_factory=dict)
 
 
+OPTIMIZERS = ("adamw", "adamw8bit", "adamw4bit")  # the optim group's options (perfrun/loop/low_bit_adamw.py)
+
+
 @dataclass
 class OptimConfig:
-    name: str = "adamw"
+    """The ``optim`` group: AdamW with its moments in fp32, 8 or 4 bits (torchao's AdamW8bit /
+    AdamW4bit: 2 or 1 bytes a parameter for both moments instead of 8)."""
+
+    name: str = "adamw"  # adamw | adamw8bit | adamw4bit
     lr: float = 1e-3
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
     warmup_steps: int = 20
@@ -107,6 +113,17 @@ class OptimConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0  # 0 disables clipping
     fused: str = "auto"  # auto | true | false
+    # each parameter stepped in its post-accumulate-grad hook, its gradient freed at once: the
+    # gradients never exist all at once (perfrun/knobs/optim_in_backward.py)
+    in_backward: bool = False
+
+
+@dataclass
+class OffloadConfig:
+    """The ``offload`` group (CUDA only): activations saved for the backward kept in pinned host
+    memory, or the optimizer's state and step on the host (perfrun/knobs/offload.py)."""
+
+    name: str = "none"  # none | activations | optimizer
 
 
 @dataclass
@@ -219,6 +236,7 @@ class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     compile: bool = False
     compile_options: CompileOptions = field(default_factory=CompileOptions)
@@ -294,7 +312,8 @@ CHOICES = {
     "precision.dtype": ("float32", "bfloat16", "float16"),
     "checkpointing.name": ("none", "full", "selective"),
     "data.name": ("pysource", "text", "memmap", "synthetic", "custom"),
-    "optim.name": ("adamw",),
+    "optim.name": OPTIMIZERS,
+    "offload.name": ("none", "activations", "optimizer"),
     "optim.fused": ("auto", "true", "false"),
     "compile_options.mode": ("default", "max-autotune-no-cudagraphs", "reduce-overhead", "max-autotune"),
     "loss.name": LOSSES,

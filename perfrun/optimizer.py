@@ -8,10 +8,14 @@ import torch
 import torch.nn as nn
 
 from perfrun.config import ConfigError, OptimConfig
+from perfrun.loop.low_bit_adamw import LOW_BIT, build_low_bit, check
 
 
-def build_optimizer(model: nn.Module, cfg_optim: OptimConfig, device: torch.device) -> tuple[torch.optim.Optimizer, bool]:
-    """Return the optimizer and whether it uses the fused kernel.
+def build_optimizer(model: nn.Module, cfg_optim: OptimConfig, device: torch.device, *,
+                    offload: bool = False, distributed: str = "none") -> tuple[torch.optim.Optimizer, bool]:
+    """Return the optimizer (``optim.name``: fp32, 8- or 4-bit moments; ``offload``: its state
+    and step on the host, perfrun/knobs/offload.py) and whether it uses the fused kernel.
+    A low-bit optimizer the run cannot take is refused here, before any step.
 
     Matrices (linear weights, embeddings) decay; biases and LayerNorm gains do not.
     """
@@ -22,6 +26,17 @@ def build_optimizer(model: nn.Module, cfg_optim: OptimConfig, device: torch.devi
         {"params": decay, "weight_decay": cfg_optim.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
+    check(cfg_optim, distributed)
+    if cfg_optim.name in LOW_BIT:
+        if offload:
+            raise ConfigError(f"offload=optimizer with optim={cfg_optim.name}: the host keeps fp32 moments cheaply; "
+                              "choose one of the two (optim=adamw offload=optimizer)")
+        return build_low_bit(groups, cfg_optim), False
+    if offload:  # torchao's CPUOffloadOptimizer: the state on the host, stepped there by fused AdamW
+        from torchao.optim import CPUOffloadOptimizer
+
+        return CPUOffloadOptimizer(groups, torch.optim.AdamW, lr=cfg_optim.lr, betas=(cfg_optim.beta1, cfg_optim.beta2),
+                                   eps=cfg_optim.eps, fused=True), True
     fused_supported = device.type in ("cuda", "cpu")
     if cfg_optim.fused == "auto":
         fused = fused_supported

@@ -239,14 +239,15 @@ ladder() {  # ladder NAME GOAL_PCT OVERRIDES...
 # wins over their batch_size=auto) they would run at batch 16 and measure nothing of their own.
 GPT2_RUNGS="naive,naive_seed,tf32,bf16,fp16,sdpa,fused_adamw,compile,workers,device_input,chunked_loss,compile_mode,\
 fp8,without_tf32,without_bf16,without_sdpa,without_fused_adamw,without_compile,without_workers,without_device_input,\
-without_chunked_loss,without_compile_mode,without_fp8,checkpointing_selective,checkpointing_full,accumulation"
+without_chunked_loss,without_compile_mode,without_fp8,checkpointing_selective,checkpointing_full,accumulation,\
+adamw8bit,optim_in_backward,offload_activations"
 
-suite_ladder_gpt2() {  # 26 rungs x 1 repeat; on FP8 GPUs every one but 4 compiled, most in max-autotune mode
+suite_ladder_gpt2() {  # 29 rungs x 1 repeat; on FP8 GPUs every one but 4 compiled, most in max-autotune mode
   ladder gpt2 3 model=gpt2 data=synthetic dataloader.batch_size=16 device=cuda ablation.repeats=1 \
     "+ablation=$GPT2_RUNGS" max_steps=30 timing_warmup_steps=10 log_every=5 eval_every=0
 }
 
-suite_ladder_tiny() {  # the default model and data: 29 rungs x 2 repeats
+suite_ladder_tiny() {  # the default model and data: 32 rungs x 2 repeats (offload_activations: CUDA)
   ladder tiny 3 device=cuda ablation.repeats=2 max_steps=200 timing_warmup_steps=50 eval_every=0
 }
 
@@ -380,6 +381,7 @@ suite_smoke() {
   smoke_row "loss=chunked, compiled, tiny (GPT-2 vocabulary)" loss_chunked 120 \
     "$R/smoke_loss_chunked knobs.loss tokens_per_s_median peak_mem_mib" \
     "$PY" -m perfrun train $TINY_CUDA loss=chunked compile=true hydra.run.dir="$R/smoke_loss_chunked"
+  smoke_memory_knob_rows
   smoke_memmap_rows
   smoke_fsdp_rows
   smoke_row "profile=true memory_snapshot=true, tiny" profile 120 \
@@ -390,6 +392,19 @@ suite_smoke() {
   smoke_estimate_rows
   smoke_row "pytest -m gpu (in what is left of the budget)" pytest_gpu 600 tail \
     "$PY" -m pytest -m gpu -q -p no:cacheprovider
+}
+
+smoke_memory_knob_rows() {  # the memory knobs on CUDA: offloading (CUDA only), 8-bit AdamW, the step in the backward
+  local offload
+  for offload in activations optimizer; do
+    smoke_row "offload=$offload, tiny" "offload_$offload" 120 \
+      "$R/smoke_offload_$offload knobs.offload tokens_per_s_median peak_mem_mib" \
+      "$PY" -m perfrun train $TINY_CUDA offload=$offload hydra.run.dir="$R/smoke_offload_$offload"
+  done
+  smoke_row "optim=adamw8bit, optim.in_backward=true, tiny" optim_memory 120 \
+    "$R/smoke_optim_memory knobs.optim_in_backward tokens_per_s_median peak_mem_mib" \
+    "$PY" -m perfrun train $TINY_CUDA optim=adamw8bit optim.in_backward=true optim.grad_clip=0 \
+    hydra.run.dir="$R/smoke_optim_memory"
 }
 
 smoke_memmap_rows() {  # a byte corpus of this checkout's Python files, read through the device input path

@@ -114,6 +114,9 @@ SMOKE_PATHS = [  # (what the row must run, a regular expression its printed comm
     ("max-autotune, accumulation", r"compile_options.mode=max-autotune accumulation.steps=2 "),
     ("memmap device input", r"data=memmap .*dataloader.device_input=true device=cuda"),
     ("chunked loss compiled", r"loss=chunked compile=true"),
+    ("offloaded activations", r"-m perfrun train .*device=cuda.* offload=activations "),
+    ("offloaded optimizer", r"-m perfrun train .*device=cuda.* offload=optimizer "),
+    ("8-bit AdamW stepped in the backward", r"optim=adamw8bit optim.in_backward=true optim.grad_clip=0 "),
     ("generate, CUDA graphs, batched", r"-m perfrun generate .*batch_size=4 compile=true .*device=cuda"),
     ("FSDP2 saved", r"torch.distributed.run .*distributed=fsdp fsdp.forward_prefetch=1 fsdp.backward_prefetch=1 "
                     r".*checkpoint.every_n_steps=6"),
@@ -255,6 +258,10 @@ def test_loss_parity_compares_the_tail_of_two_runs(tmp_path: Path, capsys: pytes
     assert parity.main([str(base), str(fp8), "--window", "0.2"]) == 0
     out = capsys.readouterr().out
     assert "steps 90-100" in out and "(+1.00%)" in out and "largest gap at one step 1.00%" in out
+    assert parity.main([str(base), str(fp8), "--window", "0.2", "--tolerance", "0.005"]) == 1  # 1 % > 0.5 %
+    assert "tolerance 0.50%: EXCEEDED" in capsys.readouterr().out
+    assert parity.main([str(base), str(fp8), "--window", "0.2", "--tolerance", "0.02"]) == 0
+    assert "tolerance 2.00%: within" in capsys.readouterr().out
     assert parity.main([str(base), str(tmp_path / "none")]) == 2
     assert "no train losses" in capsys.readouterr().err
 

@@ -278,7 +278,9 @@ def _check_schedule(scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
     """A schedule that loaded but cannot compute the next step's rate fails now, not at step 1."""
     if not isinstance(scheduler.last_epoch, int) or scheduler.last_epoch < 0:
         raise ValueError(f"last_epoch {scheduler.last_epoch!r}")
-    if not all(isinstance(lr, float) for lr in scheduler.get_last_lr()):
+    # torchao's optimizers (optim=adamw8bit|adamw4bit) keep each rate as a 0-d tensor
+    if not all(isinstance(lr, float) or (isinstance(lr, torch.Tensor) and lr.dim() == 0 and lr.is_floating_point())
+               for lr in scheduler.get_last_lr()):
         raise ValueError(f"learning rates {scheduler.get_last_lr()!r}")
     with warnings.catch_warnings():  # "use get_last_lr()": this call only tries the next step's
         warnings.simplefilter("ignore")

@@ -36,6 +36,8 @@ class EstimateOptions:
     fit: bool = field(default=True, metadata={"help": "find the largest batch that fits and, when it does not "
                                                       "fit, the knob that would (more estimates)"})
     out: str | None = field(default=None, metadata={"help": "also write the JSON document to this file"})
+    ladder: str | None = field(default=None, metadata={"help": "a ladder's sweep folder: each memory knob's measured "
+                                                              "speed beside its estimated peak"})
 
     def check(self) -> None:
         """Before any work: a negative ``top``, or an ``out`` that cannot be written (a folder,
@@ -113,7 +115,7 @@ def _estimate(cfg: EstimateJobConfig) -> tuple[dict[str, Any], list[str]]:
     from perfrun.memory.batch_size import largest_batch
     from perfrun.memory.describe import describe, fit_line
     from perfrun.memory.estimate import estimate
-    from perfrun.memory.fit import advice, gib, memory_limit, what_fits
+    from perfrun.memory.fit import advice, gib, ladder_speeds, memory_limit, ranked, what_fits
     from perfrun.models.pretrained import with_folder_shape
 
     cfg = with_folder_shape(cfg)  # model=llama model.init_from=FOLDER: the folder's shape
@@ -121,6 +123,7 @@ def _estimate(cfg: EstimateJobConfig) -> tuple[dict[str, Any], list[str]]:
         raise ConfigError("dataloader.batch_size=auto: the estimate needs a batch size; give one "
                           "(the estimate then says the largest that fits)")
     limit, where = memory_limit(cfg.memory.size)  # a memory.size that is no size is refused before any work
+    speeds = ladder_speeds(cfg.estimate.ladder) if cfg.estimate.ladder else None
     vocab = vocab_of(cfg)
     e = estimate(cfg, vocab, top=cfg.estimate.top)
     lines = describe(cfg, e)
@@ -132,12 +135,14 @@ def _estimate(cfg: EstimateJobConfig) -> tuple[dict[str, Any], list[str]]:
     lines.append(fit_line(e, limit, where, largest, CAP))
     if limit is not None:
         doc["fits"] = e.peak_bytes <= limit
-        if e.peak_bytes > limit and cfg.estimate.fit:
-            fixes = what_fits(cfg, vocab, limit)
+        if cfg.estimate.fit:  # every memory knob, ranked by the peak it gives
+            fixes = what_fits(cfg, vocab, limit, costs=speeds)
             doc["knobs"] = [vars(f) for f in fixes]
-            lines.append("  " + advice(e, limit, where, fixes))
-            lines += [f"    {f.overrides:<48} {'fits' if f.fits else 'no':>4}  "
-                      + (f.error if f.error else f"peak {gib(f.peak_bytes)}") for f in fixes]
+            if e.peak_bytes > limit:
+                lines.append("  " + advice(e, limit, where, fixes))
+            lines.append("  each memory knob alone, by its estimated peak" + (" (speed: the ladder's)" if speeds else
+                                                                          " (give estimate.ladder=DIR for speeds)"))
+            lines += ranked(fixes)
     return doc, lines
 
 

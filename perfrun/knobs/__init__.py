@@ -44,6 +44,15 @@ class Plan:
     sharded_state: bool = False  # FSDP: every rank saves and loads its own shards
     # Entered around forward and backward of micro-step i of n (DDP, FSDP: no gradient sync but on the last).
     micro_step_context: Callable[[int, int], AbstractContextManager[Any]] = lambda i, n: nullcontext()
+    # given the optimizer once it is built (the optimizer step in the backward hooks the parameters to it)
+    optimizer_hooks: list[Callable[[torch.optim.Optimizer], None]] = field(default_factory=list)
+    # the step's optimizer step, when a knob does it otherwise (in the backward): (optimizer, params, clip) -> norm
+    stepper: Callable[[torch.optim.Optimizer, list[torch.Tensor], float], torch.Tensor] | None = None
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        """Hand the run's optimizer to the knobs that act on it."""
+        for hook in self.optimizer_hooks:
+            hook(optimizer)
 
     def forward_context(self) -> ExitStack:
         """Enter every knob's context (autocast, SDPA backend) for one forward pass."""
@@ -60,6 +69,8 @@ class Plan:
                        clip: float) -> torch.Tensor:
         """Unscale (fp16), clip to ``clip``, step (fp16: skipped on inf/NaN gradients) and
         update the scale. Returns the gradient norm before clipping, as a plain tensor."""
+        if self.stepper is not None:
+            return self.stepper(optimizer, params, clip)
         self.scaler.unscale_(optimizer)
         grad_norm = distributed.full_tensor(torch.nn.utils.clip_grad_norm_(params, clip))  # FSDP: a DTensor
         self.scaler.step(optimizer)
@@ -88,7 +99,8 @@ class Plan:
 
 def apply_knobs(cfg: TrainConfig, device: torch.device, model: nn.Module, stack: ExitStack) -> Plan:
     """Apply every knob in a fixed order: backends, precision, fp8 (on the plain model), the
-    loss, activation checkpointing, ddp or fsdp, compile. A knob the model cannot take is
+    loss, activation checkpointing, offload, the optimizer step in the backward, ddp or fsdp,
+    compile. A knob the model cannot take is
     refused (KnobRefused) before any is applied."""
     from perfrun.knobs import (
         activation_checkpointing,
@@ -98,12 +110,15 @@ def apply_knobs(cfg: TrainConfig, device: torch.device, model: nn.Module, stack:
         fp8,
         fsdp,
         loss,
+        offload,
+        optim_in_backward,
         precision,
     )
 
     refuse_unmet(contract.knob_fits(model, cfg))
     plan = Plan(model=model, raw_model=model, micro_steps=int(cfg.accumulation.steps))
     plan.notes["accumulation_steps"] = plan.micro_steps
-    for knob in (backends, precision, fp8, loss, activation_checkpointing, ddp, fsdp, compilation):
+    for knob in (backends, precision, fp8, loss, activation_checkpointing, offload, optim_in_backward, ddp, fsdp,
+                 compilation):
         knob.apply(cfg, device, plan, stack)
     return plan

@@ -2,7 +2,8 @@
 category by category, of its jobs' ``memory.breakdown`` in summary.json), the trade-offs'
 verdict naming the category a memory knob acts on ("checkpointing=full freed 1.2 GiB of
 activations for 23 % of speed"), and the figure: one stacked bar per rung, the categories
-in a fixed colour order, the device's memory as a line (``memory_breakdown.png``).
+in a fixed colour order, each trade-off's bar labelled with the category it freed, the
+device's memory as a line (``memory_breakdown.png``).
 
 matplotlib's object API with the Agg canvas, as :mod:`perfrun.report.plot`.
 """
@@ -43,11 +44,14 @@ def _size(n: float) -> str:
     return f"{n / 2**30:.2f} GiB" if abs(n) >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
-def saving_text(setting: str, line: dict[str, Any], base: dict[str, Any]) -> str | None:
-    """``checkpointing=full freed 1.2 GiB of activations for 23 % of speed``: the category
-    ``setting`` took most from, against ``base`` (the top rung without it); None without
-    both breakdowns. Under checkpointing the recomputed activations count as Temp, so the
-    activations freed are Activation + Temp."""
+NAMES = {"Activation": "activations", "Temp": "temporaries", "Optstate": "optimizer state",
+         "Parameter": "parameters", "Gradient": "gradients", "Buffer": "buffers"}
+
+
+def freed(setting: str, line: dict[str, Any], base: dict[str, Any]) -> tuple[str, float] | None:
+    """The category ``setting`` took most from against ``base`` (the top rung without it), and
+    the bytes; None without both breakdowns. Under checkpointing the recomputed activations
+    count as Temp, so the activations freed are Activation + Temp."""
     b, a = (base.get("memory_breakdown") or {}), (line.get("memory_breakdown") or {})
     if not a or not b or line is base:
         return None
@@ -55,13 +59,22 @@ def saving_text(setting: str, line: dict[str, Any], base: dict[str, Any]) -> str
     if setting.startswith("checkpointing"):
         for d in (cb, ca):
             d["Activation"] = d.get("Activation", 0) + d.pop("Temp", 0)
-    freed = {c: cb[c] - ca.get(c, 0) for c in cb}
-    category = max(freed, key=lambda c: freed[c])
-    if freed[category] <= 0:
+    saved = {c: cb[c] - ca.get(c, 0) for c in cb}
+    category = max(saved, key=lambda c: saved[c])
+    return category, saved[category]
+
+
+def saving_text(setting: str, line: dict[str, Any], base: dict[str, Any]) -> str | None:
+    """``checkpointing=full freed 1.2 GiB of activations for 23 % of speed``: what
+    :func:`freed` found, with the speed it cost; None without both breakdowns."""
+    found = freed(setting, line, base)
+    if found is None:
+        return None
+    category, saved = found
+    a, b = line["memory_breakdown"], base["memory_breakdown"]
+    if saved <= 0:
         return f"{setting} freed no memory (peak {_size(a['peak_bytes'] or 0)} against {_size(b['peak_bytes'] or 0)})"
-    name = {"Activation": "activations", "Temp": "temporaries", "Optstate": "optimizer state",
-            "Parameter": "parameters", "Gradient": "gradients", "Buffer": "buffers"}[category]
-    text = f"{setting} freed {_size(freed[category])} of {name}"
+    text = f"{setting} freed {_size(saved)} of {NAMES[category]}"
     tps, tps_base = line.get("tokens_per_s"), base.get("tokens_per_s")
     if tps and tps_base:
         change = 100 * (1 - tps / tps_base)
@@ -76,6 +89,16 @@ def add_savings(lines: list[dict[str, Any]], base_setting: str = "checkpointing=
         text = saving_text(str(t.get("setting")), t, base) if base is not None else None
         if text is not None:
             t["memory_verdict"] = text
+        found = freed(str(t.get("setting")), t, base) if base is not None else None
+        if found is not None and found[1] > 0:  # the plot labels the bar with it
+            t["memory_freed"] = {"category": found[0], "bytes": found[1]}
+
+
+def bar_labels(ablation: dict[str, Any]) -> dict[str, str]:
+    """The label over each trade-off's bar: the category it freed and how much (``-1.2 GiB
+    optimizer state``)."""
+    return {t["setting"]: f"-{_size(t['memory_freed']['bytes'])} {NAMES[t['memory_freed']['category']]}"
+            for t in ablation.get("tradeoffs", []) if t.get("memory_freed") and t.get("memory_breakdown")}
 
 
 def bars(ablation: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
@@ -107,7 +130,12 @@ def memory_png(ablation: dict[str, Any]) -> bytes | None:
         heights = [b["categories_bytes"].get(c, 0) / 2**30 for _, b in shown]
         ax.bar(xs, heights, bottom=bottom, color=COLOURS[c], label=c)
         bottom = [lo + h for lo, h in zip(bottom, heights, strict=True)]
+    labels = bar_labels(ablation)
+    for x, (label, _) in enumerate(shown):  # which category each memory trade-off freed
+        if label in labels:
+            ax.text(x, bottom[x], labels[label], rotation=90, ha="center", va="bottom", fontsize=7)
     device = next((b["device_memory_bytes"] for _, b in shown if b.get("device_memory_bytes")), None)
+
     if device:
         ax.axhline(device / 2**30, color="black", linestyle="--", linewidth=1, label="device memory")
     ax.set_xticks(list(xs), labels=[label for label, _ in shown], rotation=35, ha="right", fontsize=8)

@@ -45,7 +45,7 @@ def build_loop(cfg: TrainConfig, built: Setup, run_dir: Path | None, sink: Recor
     # on CUDA: batches copied ahead, or drawn on the device
     stream = BatchStream(built.train_loader, device, ahead=device.type == "cuda" and cfg.dataloader.device_input)
     plan.notes["input"] = stream.input_path
-    metrics = StepMetrics(device, built.throughput, when, sink, reporter, lr=lambda: scheduler.get_last_lr()[0],
+    metrics = StepMetrics(device, built.throughput, when, sink, reporter, lr=lambda: float(scheduler.get_last_lr()[0]),
                           loss_scale=plan.loss_scale, compiled=bool(cfg.compile),
                           gpu_waits=stream.pop_gpu_wait_ms, handoffs_per_step=plan.micro_steps)
     guard = NonFiniteGuard(device, cfg.guard.max_bad_steps, scaler_skips=plan.skips_nonfinite_steps)

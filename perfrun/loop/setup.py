@@ -126,7 +126,9 @@ def setup(cfg: TrainConfig, stack: ExitStack, resolved: Resolved, found: FoundBa
     model = model.to(device)
     plan = apply_knobs(cfg, device, model, stack)
     resolved.knobs = plan.notes
-    optimizer, fused = build_optimizer(model, cfg.optim, device)
+    optimizer, fused = build_optimizer(model, cfg.optim, device, offload=cfg.offload.name == "optimizer",
+                                       distributed=cfg.distributed)
+    plan.attach(optimizer)
     if world > 1:
         distributed.seed_rank(cfg.seed, rank)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.max_steps)

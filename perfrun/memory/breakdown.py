@@ -18,7 +18,7 @@ import logging
 import os
 import tempfile
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -88,14 +88,18 @@ class TrackedStep:
                 found = Breakdown({}, 0, method=f"peak only (no breakdown: {missing})", device=str(self.device))
             else:
                 tracker = CategoryTracker(plan.raw_model, optimizer, fsdp=plan.sharded_state)
+                eager = compiles_its_step(optimizer)
                 try:
-                    with tracker, _fresh_module_stats(plan, tracker):
+                    with tracker, _fresh_module_stats(plan, tracker), _eager_if(eager):
                         out = self.inner(step)
                 except torch.OutOfMemoryError:
                     raise
                 except Exception as e:  # noqa: BLE001 - the tracker failing must not end the run: said, step retaken
                     return self._untracked(step, e)
                 found = tracker.breakdown(self.top)
+                if eager:
+                    found.notes.append("the tracked step ran eagerly (torchao's optimizer step is compiled with "
+                                       "fullgraph, which the tracker cannot follow): its temporaries are eager's")
                 if plan.notes.get("checkpointed_blocks"):
                     found.notes.append("activation checkpointing: the recomputed activations are counted as Temp "
                                        "(the peak is right); read Activation + Temp")
@@ -156,11 +160,35 @@ def _live_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int
     seen: dict[int, int] = {}
     tensors: list[Any] = [*model.parameters(), *model.buffers(), *(p.grad for p in model.parameters())]
     tensors += [v for state in optimizer.state.values() for v in state.values()]
-    for t in tensors:
-        if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+    for t in (inner for tensor in tensors for inner in _plain(tensor)):
+        if t.device.type == "cpu":
             s = t.untyped_storage()
             seen[s.data_ptr()] = s.nbytes()
     return sum(seen.values())
+
+
+def compiles_its_step(optimizer: torch.optim.Optimizer) -> bool:
+    """torchao's optimizers (optim=adamw8bit|adamw4bit) compile their step with fullgraph=True,
+    which fails under the tracker's dispatch mode and leaves the compiled function unusable
+    after; the tracked step runs them eagerly instead."""
+    return type(optimizer).__module__.startswith("torchao.optim")
+
+
+def _eager_if(eager: bool) -> AbstractContextManager[Any]:
+    """torch's public compiler stance: every torch.compile'd function runs its Python code."""
+    return torch.compiler.set_stance("force_eager") if eager else nullcontext()
+
+
+def _plain(t: Any) -> list[torch.Tensor]:
+    """The tensors that hold ``t``'s bytes: itself, or for a tensor subclass that wraps others
+    (torchao's 8/4-bit optimizer state: codes, scales, map) those, by torch's subclass
+    protocol ``__tensor_flatten__`` (a wrapper has no storage of its own)."""
+    if not isinstance(t, torch.Tensor):
+        return []
+    if type(t) is torch.Tensor or isinstance(t, torch.nn.Parameter) or not hasattr(t, "__tensor_flatten__"):
+        return [t]
+    names, _ = t.__tensor_flatten__()
+    return [inner for name in names for inner in _plain(getattr(t, name))]
 
 
 @contextmanager

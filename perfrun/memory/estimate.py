@@ -16,7 +16,10 @@ code usually needs no more); DDP as one process (its gradient buckets, about the
 of the gradients, are not counted); fp16's loss scaler without its skip check (a value
 read back, which fake tensors cannot do); on a machine without the GPU, CUDA's own parts
 (the allocator's reserve and rounding, cuBLAS/cuDNN workspaces, the CUDA context).
-FSDP2 over N ranks runs on one process with torch's fake process group.
+FSDP2 over N ranks runs on one process with torch's fake process group. torchao's 8/4-bit
+AdamW cannot make its state under fake tensors (its quantization map is read back as numbers):
+the step is taken by fp32 AdamW and its state replaced by the low-bit layout's exact size
+(:func:`perfrun.loop.low_bit_adamw.state_bytes`), said in ``not_counted``.
 """
 
 from __future__ import annotations
@@ -110,6 +113,9 @@ def estimate(cfg: TrainConfig, vocab_size: int, *, batch_size: int | None = None
     if missing is not None:
         raise EstimateError(f"the estimate needs torch's memory tracker: {missing}; the measured peak of a run "
                             "(perfrun train) is the way to know it with this torch")
+    from perfrun.loop.low_bit_adamw import check as check_optimizer
+
+    check_optimizer(cfg.optim, cfg.distributed)
     t0 = time.perf_counter()
     batch = int(batch_size if batch_size is not None else cfg.dataloader.batch_size)
     seq_len = int(cfg.data.seq_len or cfg.model.block_size)
@@ -120,8 +126,14 @@ def estimate(cfg: TrainConfig, vocab_size: int, *, batch_size: int | None = None
         stack.enter_context(torch.random.fork_rng(devices=[]))  # the run's random stream stays as it was
         if world > 1:
             stack.enter_context(fake_process_group(world))
-        tracker = stack.enter_context(_steps(run_cfg, device, vocab_size, batch, seq_len, fake))
+        tracker, numels = stack.enter_context(_steps(run_cfg, device, vocab_size, batch, seq_len, fake))
         result = tracker.breakdown(top)
+    if cfg.optim.name != run_cfg.optim.name:  # the low-bit state at its size: held through the step, so off the peak
+        from perfrun.loop.low_bit_adamw import state_bytes
+
+        smaller = state_bytes(run_cfg.optim.name, numels) - state_bytes(cfg.optim.name, numels)
+        result.categories["Optstate"] = result.categories.get("Optstate", 0) - smaller
+        result.peak_bytes -= smaller
     return Estimate(result, batch, seq_len, int(cfg.accumulation.steps), world, target, not_counted,
                     time.perf_counter() - t0, measured=not fake)
 
@@ -143,6 +155,10 @@ def _estimated_config(cfg: TrainConfig, device: torch.device, target: str) -> tu
         if device.type != "cuda":
             notes.append("made without a GPU: CPU kernels and autocast stand in for CUDA's "
                          "(the allocator's 512-byte rounding is not applied)")
+    if cfg.optim.name != "adamw":  # torchao's low-bit state cannot be made under fake tensors
+        changes["optim.name"] = "adamw"
+        notes.append(f"optim={cfg.optim.name}: its state counted from torchao's layout (fake tensors cannot make it), "
+                     "its step's temporaries as fp32 AdamW's")
     if cfg.precision.name == "fp16":
         notes.append("fp16's loss scaler check (a few bytes; fake tensors cannot read a value back)")
     return variant(cfg, **changes), notes
@@ -150,9 +166,10 @@ def _estimated_config(cfg: TrainConfig, device: torch.device, target: str) -> tu
 
 @contextmanager
 def _steps(cfg: TrainConfig, device: torch.device, vocab_size: int, batch: int, seq_len: int,
-           fake: bool) -> Iterator[CategoryTracker]:
+           fake: bool) -> Iterator[tuple[CategoryTracker, list[int]]]:
     """Build everything under fake tensors, create the optimizer's state and run one optimizer
-    step under the tracker; yield the tracker (its figures stay readable after the fake mode ends)."""
+    step under the tracker; yield the tracker (its figures stay readable after the fake mode
+    ends) and the trainable parameters' sizes."""
     from perfrun.knobs import apply_knobs
     from perfrun.optimizer import build_optimizer
 
@@ -165,6 +182,7 @@ def _steps(cfg: TrainConfig, device: torch.device, vocab_size: int, batch: int, 
         if plan.scaler.is_enabled():  # fp16: the scaler reads inf checks back, which fake tensors cannot
             plan.scaler = torch.amp.GradScaler(device.type, enabled=False)
         optimizer, _ = build_optimizer(plan.raw_model, cfg.optim, device)
+        plan.attach(optimizer)  # the optimizer step in the backward: each gradient freed as it is stepped
         params = [p for p in plan.raw_model.parameters() if p.requires_grad]
         clip = float(cfg.optim.grad_clip) if cfg.optim.grad_clip > 0 else float("inf")
         if _trains_every_parameter(plan.raw_model):  # the state, untracked: the step below holds it throughout
@@ -176,7 +194,7 @@ def _steps(cfg: TrainConfig, device: torch.device, vocab_size: int, batch: int, 
         tracker = CategoryTracker(plan.raw_model, optimizer, fsdp=cfg.distributed == "fsdp")
         with tracker, _said_in_one_line(tracker):
             _fake_step(plan, optimizer, params, clip, batch, seq_len, vocab_size, device, tracker)
-        yield tracker
+        yield tracker, [p.numel() for p in params]
 
 
 def _built(cfg: TrainConfig, vocab_size: int, device: torch.device, mode: Any) -> torch.nn.Module:

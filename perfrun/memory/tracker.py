@@ -32,6 +32,7 @@ CATEGORIES = ("Parameter", "Buffer", "Gradient", "Optstate", "Activation", "Temp
 SHORT = {"Parameter": "par", "Buffer": "buf", "Gradient": "grad", "Optstate": "opt", "Activation": "act",
          "Temp": "tmp"}
 TRACKER_MODULE = "torch.distributed._tools.mem_tracker"
+FREED_GRADIENT = "Expected a tensor or a traceable wrapper-subclass of tensor, but got <class 'NoneType'>"
 # the start of the warning torch gives when a compiled module runs under global module hooks
 COMPILED_WITH_GLOBAL_HOOKS = r"Using `torch\.compile\(module\)` when there are global hooks"
 FSDP_TRACKER_MODULE = "torch.distributed._tools.fsdp2_mem_tracker"
@@ -156,15 +157,22 @@ class CategoryTracker:
 
     def __enter__(self) -> CategoryTracker:
         self._stack = ModuleStack(self.model).__enter__()
+        # optim.in_backward frees each gradient in its hook, before the tracker's own hook looks
+        # for it: nothing to count, which the tracker warns about once per parameter
+        self._quiet = warnings.catch_warnings()
+        self._quiet.__enter__()
+        warnings.filterwarnings("ignore", message=FREED_GRADIENT, category=UserWarning)
         try:
             self._mt.__enter__()
         except BaseException:
+            self._quiet.__exit__(None, None, None)
             self._stack.__exit__(None, None, None)  # no global hook outlives a tracker that did not start
             raise
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._mt.__exit__(*exc)
+        self._quiet.__exit__(*exc)
         self._stack.__exit__(*exc)
 
     def new_step(self) -> None:
