@@ -95,7 +95,7 @@ class DataConfig:
     args: dict[str, Any] = field(default_factory=dict)
 
 
-OPTIMIZERS = ("adamw", "adamw8bit", "adamw4bit")  # the optim group's options (perfrun/loop/low_bit_adamw.py)
+OPTIMIZERS = ("adamw", "adamw8bit", "adamw4bit")  # the optim group's options (perfrun/optim/low_bit.py)
 
 
 @dataclass

@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from hydra import compose, initialize_config_dir  # noqa: E402
 
 from perfrun.config import config_dir, register_configs, typed  # noqa: E402
+from perfrun.ladder.memory_plot import freed  # noqa: E402
 from perfrun.loop.run import run  # noqa: E402
-from perfrun.report.memory_plot import freed  # noqa: E402
 
 BASE = ["model=tiny", "model.n_layer=2", "data=synthetic", "data.vocab_size=256", "data.seq_len=64",
         "dataloader.batch_size=8", "device=cpu", "optim.grad_clip=0", "eval_every=0", "eval_batches=1",
@@ -69,7 +69,7 @@ def job(overrides: list[str], folder: Path) -> dict[str, Any]:
 
 
 def per_unit(base: dict[str, Any], knob: dict[str, Any], name: str) -> tuple[str, float, str]:
-    """The category that shrank most against the base (:func:`perfrun.report.memory_plot.freed`,
+    """The category that shrank most against the base (:func:`perfrun.ladder.memory_plot.freed`,
     the ladder's reading), its bytes, and that per parameter or per micro-batch token."""
     found = freed(name, knob, base)
     if found is None or found[1] <= 0:

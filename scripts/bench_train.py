@@ -77,7 +77,7 @@ from perfrun.devices import resolve_device  # noqa: E402
 from perfrun.distributed import seed_everything  # noqa: E402
 from perfrun.knobs.precision import DTYPES  # noqa: E402
 from perfrun.models.build import build_model  # noqa: E402
-from perfrun.optimizer import build_optimizer, build_scheduler  # noqa: E402
+from perfrun.optim.adamw import build_optimizer, build_scheduler  # noqa: E402
 
 SIZES = {"tiny": [], "4x256": ["model.n_layer=4", "model.n_head=4", "model.n_embd=256", "model.block_size=256",
                                "dataloader.batch_size=8"], "llama-tiny": ["model=llama-tiny"]}

@@ -66,7 +66,7 @@ def test_the_optimizer_state_is_what_a_training_steps_is(fused: str) -> None:
     """The estimate makes the state by a step on zero gradients instead of a whole training
     step: the same tensors (shapes, dtypes, devices) and step counts, and no gradient left."""
     from perfrun.models.build import build_model
-    from perfrun.optimizer import build_optimizer
+    from perfrun.optim.adamw import build_optimizer
 
     cfg = make_cfg(*SMALL, f"optim.fused={fused}")
     device = torch.device("cpu")

@@ -20,17 +20,18 @@ PACKAGE = Path(__file__).resolve().parent.parent / "perfrun"
 # here; any other arrow fails test_imports_follow_the_allowed_directions. An entry point (a
 # ``__main__`` module) is a command.
 GROUND = {"perfrun", "config", "model_schema", "validate", "console", "summary", "distributed", "devices", "device_conditions",
-          "environment", "user_code", "optimizer"}
-LIBRARY = {"ladder", "loop", "memory", "knobs", "models", "data", "checkpoint", "telemetry", "inference", "report",
+          "environment", "user_code"}
+LIBRARY = {"ladder", "loop", "memory", "optim", "knobs", "models", "data", "checkpoint", "telemetry", "inference", "report",
            "prepare", "tune", "gpucheck"}
 MAY_IMPORT: dict[str, set[str]] = {
     "commands": LIBRARY,  # one thin module per command over the library
     # the ladder plans, runs and reads a sweep of jobs: the loop runs each, the report renders them
     "ladder": {"loop", "memory", "knobs", "models", "data", "checkpoint", "telemetry", "report"},
-    "loop": {"memory", "knobs", "models", "data", "checkpoint", "telemetry"},  # setup and the schedule
+    "loop": {"memory", "optim", "knobs", "models", "data", "checkpoint", "telemetry"},  # setup and the schedule
     # the estimate builds the run's model and knobs under fake tensors; the breakdown writes
     # through telemetry's sinks; the loop hands its own step to the batch-size trials
-    "memory": {"knobs", "models", "telemetry"},
+    "memory": {"optim", "knobs", "models", "telemetry"},
+    "optim": set(),  # the optimizer: the loop steps it, the estimate counts its state
     "knobs": {"models"},  # a knob acts on the model (the chunked loss on its head)
     "inference": {"models", "data", "checkpoint"},  # a saved run, rebuilt and sampled
     "prepare": {"data", "checkpoint"},  # a corpus written as the data sources read it
@@ -180,14 +181,14 @@ def test_a_planted_arrow_against_the_directions_is_found() -> None:
 
 def test_the_directions_say_what_the_design_says() -> None:
     """Commands use everything; the ladder uses the loop and the report, and nothing in the
-    library uses the ladder; the loop uses memory, knobs, models, data, checkpoint, telemetry;
-    memory sits below the loop; checkpoint, models, data and telemetry use none of loop, memory,
+    library uses the ladder; the loop uses memory, optim, knobs, models, data, checkpoint,
+    telemetry; memory sits below the loop; optim below both; checkpoint, models, data and telemetry use none of loop, memory,
     knobs or commands; knobs never import inference; nothing in the library imports commands."""
     assert MAY_IMPORT["commands"] == LIBRARY == set(MAY_IMPORT) - {"commands"}
     assert {"loop", "report"} <= MAY_IMPORT["ladder"]
     assert all("ladder" not in MAY_IMPORT[p] for p in LIBRARY)
-    assert MAY_IMPORT["loop"] == {"memory", "knobs", "models", "data", "checkpoint", "telemetry"}
-    assert "loop" not in MAY_IMPORT["memory"]
+    assert MAY_IMPORT["loop"] == {"memory", "optim", "knobs", "models", "data", "checkpoint", "telemetry"}
+    assert "loop" not in MAY_IMPORT["memory"] and MAY_IMPORT["optim"] == set()
     assert all(not MAY_IMPORT[p] & {"loop", "memory", "knobs", "commands"}
                for p in ("checkpoint", "models", "data", "telemetry"))
     assert "inference" not in MAY_IMPORT["knobs"]

@@ -13,9 +13,9 @@ import torch
 from perfrun.checkpoint import files as checkpoint_files
 from perfrun.commands import estimate as estimate_command
 from perfrun.config import select
-from perfrun.loop.low_bit_adamw import state_bytes
-from perfrun.loop.memory.estimate import estimate
 from perfrun.loop.run import run
+from perfrun.memory.estimate import estimate
+from perfrun.optim.low_bit import state_bytes
 
 from conftest import TINY_MODEL, make_cfg
 
@@ -193,7 +193,7 @@ def test_the_command_ranks_every_memory_knob_and_names_the_cheapest_that_fits(
 def test_the_ladder_measures_each_memory_knob_from_the_top_rung(tmp_path: Path) -> None:
     """adamw8bit and optim_in_backward are the top rung with the knob (kind tradeoff, memory
     tracked); offload_activations is skipped on a CPU with the reason, nothing trained."""
-    from perfrun.commands.rungs import run_rung
+    from perfrun.ladder.rungs import run_rung
 
     top = make_cfg("+ablation=top", "+sweep=ablation")
     for rung, changed in (("adamw8bit", {"optim.name": "adamw8bit"}),
@@ -212,7 +212,7 @@ def test_the_ladder_measures_each_memory_knob_from_the_top_rung(tmp_path: Path) 
 
 
 def test_the_memory_plot_labels_each_trade_off_with_the_category_it_freed() -> None:
-    from perfrun.report.memory_plot import add_savings, bar_labels, memory_png
+    from perfrun.ladder.memory_plot import add_savings, bar_labels, memory_png
 
     def line(setting: str, tps: float, **cats: int) -> dict:
         bytes_ = {"Parameter": 100, "Buffer": 0, "Gradient": 100, "Optstate": 200, "Activation": 300, "Temp": 10}

@@ -115,7 +115,7 @@ def _estimate(cfg: EstimateJobConfig) -> tuple[dict[str, Any], list[str]]:
     from perfrun.memory.batch_size import largest_batch
     from perfrun.memory.describe import describe, fit_line
     from perfrun.memory.estimate import estimate
-    from perfrun.memory.fit import advice, gib, ladder_speeds, memory_limit, ranked, what_fits
+    from perfrun.memory.fit import advice, ladder_speeds, memory_limit, ranked, what_fits
     from perfrun.models.pretrained import with_folder_shape
 
     cfg = with_folder_shape(cfg)  # model=llama model.init_from=FOLDER: the folder's shape

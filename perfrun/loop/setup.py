@@ -26,7 +26,7 @@ from perfrun.models.contract import describe, knob_fits, model_class, parameter_
 from perfrun.models.custom import check_forward, check_vocab
 from perfrun.models.flops import flops_figure
 from perfrun.models.hf import describe as hf_describe
-from perfrun.optimizer import build_optimizer, build_scheduler
+from perfrun.optim.adamw import build_optimizer, build_scheduler
 from perfrun.summary import RunSummary
 from perfrun.telemetry.mfu import mfu_dtype, resolve_peak
 from perfrun.telemetry.profiling import start_memory_history

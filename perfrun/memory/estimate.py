@@ -19,7 +19,7 @@ read back, which fake tensors cannot do); on a machine without the GPU, CUDA's o
 FSDP2 over N ranks runs on one process with torch's fake process group. torchao's 8/4-bit
 AdamW cannot make its state under fake tensors (its quantization map is read back as numbers):
 the step is taken by fp32 AdamW and its state replaced by the low-bit layout's exact size
-(:func:`perfrun.loop.low_bit_adamw.state_bytes`), said in ``not_counted``.
+(:func:`perfrun.optim.low_bit.state_bytes`), said in ``not_counted``.
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def estimate(cfg: TrainConfig, vocab_size: int, *, batch_size: int | None = None
     if missing is not None:
         raise EstimateError(f"the estimate needs torch's memory tracker: {missing}; the measured peak of a run "
                             "(perfrun train) is the way to know it with this torch")
-    from perfrun.loop.low_bit_adamw import check as check_optimizer
+    from perfrun.optim.low_bit import check as check_optimizer
 
     check_optimizer(cfg.optim, cfg.distributed)
     t0 = time.perf_counter()
@@ -129,7 +129,7 @@ def estimate(cfg: TrainConfig, vocab_size: int, *, batch_size: int | None = None
         tracker, numels = stack.enter_context(_steps(run_cfg, device, vocab_size, batch, seq_len, fake))
         result = tracker.breakdown(top)
     if cfg.optim.name != run_cfg.optim.name:  # the low-bit state at its size: held through the step, so off the peak
-        from perfrun.loop.low_bit_adamw import state_bytes
+        from perfrun.optim.low_bit import state_bytes
 
         smaller = state_bytes(run_cfg.optim.name, numels) - state_bytes(cfg.optim.name, numels)
         result.categories["Optstate"] = result.categories.get("Optstate", 0) - smaller
@@ -171,7 +171,7 @@ def _steps(cfg: TrainConfig, device: torch.device, vocab_size: int, batch: int, 
     step under the tracker; yield the tracker (its figures stay readable after the fake mode
     ends) and the trainable parameters' sizes."""
     from perfrun.knobs import apply_knobs
-    from perfrun.optimizer import build_optimizer
+    from perfrun.optim.adamw import build_optimizer
 
     with ExitStack() as stack:
         stack.enter_context(_quiet_knob_logs())

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 from perfrun.config import ConfigError, OptimConfig
-from perfrun.loop.low_bit_adamw import LOW_BIT, build_low_bit, check
+from perfrun.optim.low_bit import LOW_BIT, build_low_bit, check
 
 
 def build_optimizer(model: nn.Module, cfg_optim: OptimConfig, device: torch.device, *,
