@@ -51,9 +51,8 @@ def test_train_is_a_hydra_app(tmp_path: Path) -> None:
 
 
 def test_help_is_the_text_hydra_prints_and_a_bad_override_one_line(capsys: pytest.CaptureFixture[str]) -> None:
-    """perfrun fills in only the placeholders its help templates use (Hydra lists every config
-    group whether a template shows them or not); Hydra's own --help, which perfrun leaves
-    to Hydra where --config-dir is given, prints the same text."""
+    """--help is Hydra's own (hydra.main prints the template), the same with --config-dir; an
+    override that does not compose is one line instead of Hydra's page."""
     assert cli_main(["generate", "--help"]) == 0
     ours = capsys.readouterr().out
     assert cli_main(["generate", "--help", "--config-dir", str(REPO / "conf")]) == 0

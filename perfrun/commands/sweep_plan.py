@@ -12,6 +12,7 @@ job, :class:`Eta` prints done/total, the elapsed time and an estimate of the res
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import tempfile
@@ -43,14 +44,21 @@ def kind_of(cfg: TrainConfig | DictConfig) -> str:
 
 
 def sweep_jobs(config: DictConfig) -> list[list[str]]:
-    """The sweep's jobs, as Hydra's basic sweeper will expand them: one override list each."""
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    """The sweep's jobs, one override list each, in the order Hydra's basic sweeper runs them:
+    the cartesian product of every key's values (a plain override has one; a key given
+    twice keeps its first place and its last values), the sweeper's ``params`` first, then
+    the command line's."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     params = OmegaConf.select(config, "hydra.sweeper.params") or {}
     given = [f"{k}={v}" for k, v in params.items()] + list(OmegaConf.select(config, "hydra.overrides.task") or [])
-    parsed = OverridesParser.create().parse_overrides(given)
-    return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+    choices: dict[str, list[str]] = {}
+    for override in OverridesParser.create().parse_overrides(given):
+        key = override.get_key_element()
+        values = override.sweep_string_iterator() if override.is_sweep_override() else \
+            [override.get_value_element_as_str()]
+        choices[key] = [f"{key}={value}" for value in values]
+    return [list(job) for job in itertools.product(*choices.values())]
 
 
 def is_ladder(jobs: list[list[str]]) -> bool:
