@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import compileall
+import contextlib
 import copy
 import functools
 import gc
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -307,6 +309,32 @@ def torchrun(cwd: Path, *args: str, nproc: int = 2) -> subprocess.CompletedProce
     return _completed(perfrun_process("--standalone", f"--nproc_per_node={nproc}", "-m", "perfrun", "train", *args,
                                       cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                       module="torch.distributed.run"), 240)
+
+
+@contextlib.contextmanager
+def small_disk(folder: Path, size: str) -> Iterator[Path]:
+    """A real tmpfs of ``size`` (``64k``) mounted at ``folder``, made here: a disk that fills
+    up for real. The test is skipped where mounting is not allowed."""
+    folder.mkdir(parents=True, exist_ok=True)
+    if shutil.which("mount") is None:
+        pytest.skip("no mount command here")
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"mounting a tmpfs is not permitted here ({done.stderr.decode().strip()})")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)
+
+
+def fill(disk: Path) -> None:
+    """Write into ``disk`` until it is full."""
+    with (disk / ".filler").open("wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(bytes(64 * 1024))
+        except OSError:
+            pass  # full: what it is for
 
 
 def losses(run_dir: Path) -> dict[int, float]:

@@ -9,7 +9,6 @@ of one over gloo) where they can.
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import os
@@ -335,19 +334,19 @@ def test_reshard_and_prefetch_settings_change_what_fsdp_does(
     assert plan.notes["fsdp"]["reshard_last_block"] == ("fsdp.reshard_last_block=true" in overrides)
 
 
-def test_per_block_compile_keeps_fsdp_hooks_outside_the_graph(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_per_block_compile_keeps_fsdp_hooks_outside_the_graph() -> None:
     """compile_options.scope=blocks under FSDP2: every sharded block's forward is compiled
     whole (fullgraph: a hook inside would break the graph and fail), FSDP2's hooks stay on the
     module, and loss and gradients equal the eager sharded model's. aot_eager instead of
     inductor: the question is where dynamo's graph ends, not which kernels inductor writes."""
-    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
     x, y = TOKENS[:, :-1], TOKENS[:, 1:]
     results = []
     for compiled in (False, True):
         torch._dynamo.reset()
         with ExitStack() as stack:
             model, plan = sharded(stack, f"compile={str(compiled).lower()}", "compile_options.scope=blocks",
-                                  "compile_options.fullgraph=true", "fsdp.forward_prefetch=1", "fsdp.backward_prefetch=1")
+                                  "compile_options.fullgraph=true", "compile_options.backend=aot_eager",
+                                  "fsdp.forward_prefetch=1", "fsdp.backward_prefetch=1")
             for block in model.blocks:
                 assert isinstance(block, FSDPModule) and block._forward_pre_hooks and block._forward_hooks
                 assert hasattr(block.__dict__.get("forward"), "_torchdynamo_orig_callable") == compiled
