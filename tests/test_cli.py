@@ -59,8 +59,10 @@ def test_hydras_own_flags_answer_without_a_job(tmp_path: Path, monkeypatch: pyte
 
 
 def test_help_is_the_text_hydra_prints_and_a_bad_override_one_line(capsys: pytest.CaptureFixture[str]) -> None:
-    """--help is Hydra's own (hydra.main prints the template), the same with --config-dir; an
-    override that does not compose is one line instead of Hydra's page."""
+    """perfrun fills in only the placeholder its help templates use (Hydra lists every config
+    group whether a template shows them or not); Hydra's own --help, which perfrun leaves
+    to Hydra where --config-dir is given, prints the same text. An override that does not
+    compose is one line instead of Hydra's page."""
     assert cli_main(["generate", "--help"]) == 0
     ours = capsys.readouterr().out
     assert cli_main(["generate", "--help", "--config-dir", str(REPO / "conf")]) == 0
