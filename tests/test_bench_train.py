@@ -9,7 +9,6 @@ import contextlib
 import importlib.util
 import io
 import json
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -50,7 +49,6 @@ def test_two_pairs_report_the_ratio_its_interval_the_threads_and_the_load(
     out = tmp_path / "bench.json"
     module = bench()
     monkeypatch.setattr(module, "spawn", in_process(module))
-    monkeypatch.setattr(sys, "argv", ["bench_train.py"])
     assert module.main(["--pairs", "2", "--steps", "3", "--warmup", "1", "--threads", "1", "--configs", "custom",
                         "--json", str(out), *SMALL]) == 0
     result = json.loads(out.read_text())
@@ -82,9 +80,8 @@ def test_a_side_in_a_fresh_process_runs_on_the_threads_asked_for(monkeypatch: py
     assert (got["torch_threads"], got["omp_num_threads"]) == (1, "1") and got["tokens_per_s"] > 0
 
 
-def test_python_calls_per_step_of_both_sides(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_python_calls_per_step_of_both_sides() -> None:
     module = bench()
-    monkeypatch.setattr(sys, "argv", ["bench_train.py"])
     counts = {side: module.calls_per_step(side, 1, [*SMALL, "progress=off", "monitor.every_n_steps=0"])
               for side in ("perfrun", "plain")}
     for side, got in counts.items():  # a forward, backward and AdamW step are hundreds of Python calls

@@ -13,7 +13,6 @@ import os
 import re
 import shlex
 import subprocess
-import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -269,11 +268,10 @@ def test_starvation_benchmark_runs_its_four_cases_on_the_cpu(
     np.arange(1024, dtype=np.uint16).__mod__(256).astype(np.uint16).tofile(mm / "val.bin")
     (mm / "meta.json").write_text(json.dumps({"vocab_size": 256, "dtype": "uint16", "tokenizer": "byte"}))
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "argv", [
-        "bench_starvation.py", "--memmap", str(mm), "--steps", "2", "--warmup", "0", "--sleep-ms", "20",
+    assert script("bench_starvation").main([
+        "--memmap", str(mm), "--steps", "2", "--warmup", "0", "--sleep-ms", "20",
         "--out", str(tmp_path / "runs"), "--json", str(tmp_path / "s.json"), "device=cpu",
-        "model.n_layer=1", "model.n_head=2", "model.n_embd=16", "model.block_size=16", "dataloader.batch_size=2"])
-    assert script("bench_starvation").main() == 0
+        "model.n_layer=1", "model.n_head=2", "model.n_embd=16", "model.block_size=16", "dataloader.batch_size=2"]) == 0
     stdout = capsys.readouterr().out
     cases = json.loads((tmp_path / "s.json").read_text())["cases"]
     assert list(cases) == ["synthetic", "memmap", "slow, 0 workers", "slow, 2 workers"]
@@ -300,9 +298,8 @@ def test_speed_benchmark_names_a_failing_variant_and_keeps_the_others(
     out = tmp_path / "speed.json"
     base = ["device=cpu", "model.n_layer=1", "model.n_head=2", "model.n_embd=16", "model.block_size=16",
             "dataloader.batch_size=2"]
-    monkeypatch.setattr(sys, "argv", ["bench_speed.py", "--steps", "3", "--warmup", "1", "--repeats", "2",
-                                      "--variants", "perfrun,loss=chunked,precision=fp8", "--json", str(out), *base])
-    assert bench.main() == 0
+    assert bench.main(["--steps", "3", "--warmup", "1", "--repeats", "2",
+                       "--variants", "perfrun,loss=chunked,precision=fp8", "--json", str(out), *base]) == 0
     result = json.loads(out.read_text())
     assert list(result["table"]) == ["plain (nanoGPT recipe)", "perfrun"]
     assert all(t["repeats"] == 2 and t["spread_pct"] >= 0 for t in result["table"].values())
@@ -311,5 +308,4 @@ def test_speed_benchmark_names_a_failing_variant_and_keeps_the_others(
     shown = capsys.readouterr().out
     assert "failed loss=chunked (repeat 0): RuntimeError: planted failure" in shown
     assert "skipped loss=chunked: failed: RuntimeError" in shown and re.search(r"^perfrun +[\d,]+ +±", shown, re.M)
-    monkeypatch.setattr(sys, "argv", ["bench_speed.py", "--variants", "perfrun,fp9", *base])
-    assert bench.main() == 2 and "no variant 'fp9'" in capsys.readouterr().err
+    assert bench.main(["--variants", "perfrun,fp9", *base]) == 2 and "no variant 'fp9'" in capsys.readouterr().err
