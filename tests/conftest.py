@@ -51,20 +51,18 @@ RANKS_COMMON = [*TINY_MODEL, "max_steps=6", "log_every=1", "eval_every=0", "eval
                 "progress=off", "monitor.every_n_steps=0", "optim.warmup_steps=2", "accumulation.steps=2"]
 
 
-# The test files that take longest, slowest first (the sum of their tests' times, setup
-# included, in one run of the suite on the 2-core EPYC at b9ff472; those of 2 s or more).
-# Two xdist workers handed the longest files first end together (with xdist's own order, most
-# tests first, a long file of one test came last and one worker waited up to 15 s for the
-# other). Files not named follow, most tests first. A stale list costs balance, never a test.
-SLOW_FIRST = ("test_reliability.py", "test_fsdp.py", "test_estimate.py", "test_cli.py", "test_sweep.py",
-              "test_distributed.py", "test_nothing_lost.py", "test_llama.py", "test_gpu_bench_scripts.py",
-              "test_ladder_once.py", "test_generate.py", "test_train.py", "test_export.py", "test_prepare.py",
-              "test_bench_train.py", "test_loggers.py", "test_data.py", "test_verdict.py", "test_batch_size.py",
-              "test_host_heap.py", "test_custom_model.py", "test_sweep_time.py", "test_contract.py", "test_tune.py",
-              "test_speed_knobs.py", "test_untrusted_files.py", "test_cluster_launcher.py",
-              "test_ladder.py", "test_gpucheck.py", "test_sweep_stop.py", "test_flops.py",
-              "test_house.py", "test_telemetry.py", "test_memory.py",
-              "test_between_jobs.py", "test_plots.py", "test_report.py")
+# The test files that take longest, slowest first (the CPU seconds of their tests, setup
+# included, in one run of the whole suite: docs/test-suite.md; those of 2 s or more). Two
+# xdist workers handed the longest files first end together (with xdist's own order, most
+# tests first, a long file of one test came last and one worker waited for the other).
+# Files not named follow, most tests first. A stale list costs balance, never a test.
+SLOW_FIRST = ("test_reliability.py", "test_fsdp.py", "test_distributed.py", "test_cli.py", "test_nothing_lost.py",
+              "test_sweep.py", "test_gpu_bench_scripts.py", "test_estimate.py", "test_generate.py", "test_tune.py",
+              "test_train.py", "test_llama.py", "test_ladder_once.py", "test_cluster_launcher.py",
+              "test_bench_train.py", "test_export.py", "test_prepare.py", "test_loggers.py", "test_sweep_stop.py",
+              "test_untrusted_files.py", "test_sweep_time.py", "test_batch_size.py", "test_custom_model.py",
+              "test_console.py", "test_data.py", "test_gpucheck.py", "test_ladder.py", "test_speed_knobs.py",
+              "test_contract.py", "test_host_heap.py", "test_flops.py", "test_verdict.py", "test_plots.py")
 
 
 def pytest_configure(config: Any) -> None:

@@ -70,6 +70,7 @@ def test_two_pairs_report_the_ratio_its_interval_the_threads_and_the_load(
     assert "custom pair 2/2 (plain first)" in shown and "95% sign test" in shown and "busiest others" in shown
 
 
+@pytest.mark.slow
 def test_a_side_in_a_fresh_process_runs_on_the_threads_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
     """``spawn`` as the benchmark starts each side: a fresh process that reads back the
     threads it ran with (``--threads 1``, against this process's OMP_NUM_THREADS, changed here
@@ -80,6 +81,7 @@ def test_a_side_in_a_fresh_process_runs_on_the_threads_asked_for(monkeypatch: py
     assert (got["torch_threads"], got["omp_num_threads"]) == (1, "1") and got["tokens_per_s"] > 0
 
 
+@pytest.mark.slow
 def test_python_calls_per_step_of_both_sides() -> None:
     module = bench()
     counts = {side: module.calls_per_step(side, 1, [*SMALL, "progress=off", "monitor.every_n_steps=0"])

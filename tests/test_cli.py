@@ -58,6 +58,7 @@ def test_hydras_own_flags_answer_without_a_job(tmp_path: Path, monkeypatch: pyte
     assert not (tmp_path / "outputs").exists()  # --cfg/--info do no work
 
 
+@pytest.mark.slow
 def test_help_is_the_text_hydra_prints_and_a_bad_override_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     """perfrun fills in only the placeholder its help templates use (Hydra lists every config
     group whether a template shows them or not); Hydra's own --help, which perfrun leaves
@@ -121,6 +122,7 @@ def test_plain_run_writes_its_run_dir(tmp_path: Path, monkeypatch: pytest.Monkey
     assert "step 50/50" in out and "tok/s" in out  # plain lines when not a terminal
 
 
+@pytest.mark.slow
 def test_train_json_prints_the_summary_on_stdout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                  capfd: pytest.CaptureFixture[str]) -> None:
     monkeypatch.chdir(tmp_path)  # in this process, file descriptors captured
@@ -136,6 +138,7 @@ def test_train_json_prints_the_summary_on_stdout(tmp_path: Path, monkeypatch: py
     assert [j["config"]["seed"] for j in jobs] == [1, 2] and [j["status"] for j in jobs] == ["completed"] * 2
 
 
+@pytest.mark.slow
 def test_gpt2_with_checkpointing_and_accumulation(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                   one_thread: None) -> None:
     """The issue's command verbatim, with gpt2 cut to 3 of its 12 blocks to stay fast (in
@@ -149,6 +152,7 @@ def test_gpt2_with_checkpointing_and_accumulation(tmp_path: Path, monkeypatch: p
     assert s["config"]["model"]["n_embd"] == 768 and s["config"]["model"]["block_size"] == 1024
 
 
+@pytest.mark.slow
 def test_multirun_sweep_and_clean_state_between_jobs(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     """One sweep as a user types it (its launcher in this process): its jobs, their clean
     state, and Hydra's lines in our style."""
@@ -190,6 +194,7 @@ def test_bad_input_in_a_real_process(tmp_path: Path, args: list[str], rc: int, w
     assert "Traceback" not in r.stderr + r.stdout
 
 
+@pytest.mark.slow
 def test_wheel_ships_the_config_and_runs_from_anywhere(tmp_path: Path) -> None:
     """A plain (non-editable) install carries conf/ inside the package."""
     wheels = tmp_path / "wheels"

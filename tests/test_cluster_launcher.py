@@ -67,6 +67,7 @@ def test_slurm_local_is_the_submitit_local_executor() -> None:
     assert (hl.nodes, hl.tasks_per_node, hl.gpus_per_node) == (1, 1, 0)
 
 
+@pytest.mark.slow
 @needs_plugin
 def test_sweep_runs_through_submitit_and_reports_a_failed_job(tmp_path: Path, monkeypatch) -> None:
     """Each job is pickled by submitit and run by a process of its own; the one that fails

@@ -117,6 +117,7 @@ def test_a_piped_run_prints_timed_lines_that_fit_and_says_where_its_files_are(
     assert len(monitor) == TINY_STEPS // 5
 
 
+@pytest.mark.slow
 def test_on_an_80_column_terminal_each_log_point_is_one_line(tmp_path: Path) -> None:
     """A real pseudo-terminal 80 columns wide: rich draws the progress bar, and every step
     line stays on one line (rich would wrap a longer one under its time column)."""

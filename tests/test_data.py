@@ -332,6 +332,7 @@ def test_build_loader_options(arange_bin: Path) -> None:
     assert torch.equal(torch.rand(1), expected)
 
 
+@pytest.mark.slow
 def test_memmap_dataset_pickles_without_its_array_and_works_in_spawn(arange_bin: Path) -> None:
     b = build_datasets(DataConfig(name="memmap", path=str(arange_bin), vocab_size=2000), 8, 0)
     first = b.train[3]  # opens the memmap in this process

@@ -95,6 +95,7 @@ def test_a_second_sampler_of_the_same_epoch_reuses_its_order_unchanged() -> None
     assert list(later) != again and sampler.epoch_order.cache_info().misses == 2
 
 
+@pytest.mark.slow
 def test_two_ranks_match_one_process_with_the_same_global_batch(
         ddp_run: Path, one_process_run: tuple[Path, dict[str, Any]]) -> None:
     (run_dir,) = [p.parent for p in ddp_run.glob("outputs/*/*/summary.json")]
@@ -134,6 +135,7 @@ def test_every_ranks_telemetry_reaches_rank_0s_log(ddp_run: Path) -> None:
     assert gpu_parts(monitors[0], monitors[0]["ranks"]) == []  # a CPU's samples stay off the console's step line
 
 
+@pytest.mark.slow
 def test_a_sweep_of_distributed_jobs_starts_torchrun_per_job(
         tmp_path: Path, one_process_run: tuple[Path, dict[str, Any]]) -> None:
     """nproc=1,2: each job with nproc > 1 starts its own torchrun into its job folder. The
@@ -159,6 +161,7 @@ def test_a_sweep_of_distributed_jobs_starts_torchrun_per_job(
     assert len(table["rows"]) == 2 and {r["status"] for r in table["rows"]} == {"completed"}
 
 
+@pytest.mark.slow
 def test_resume_auto_under_ddp_continues_the_run_in_its_run_dir_exactly(
         ddp_run: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     """distributed=ddp nproc=2 resume=auto: the launcher decides once, before the ranks start,

@@ -39,6 +39,7 @@ def _close(estimated: dict[str, float], measured: dict[str, float], merge_temp: 
         assert abs(e[c] - m[c]) <= max(0.02 * m[c], 2**16), (c, e[c], m[c])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides", [
     [],
     ["checkpointing=full"],
@@ -189,6 +190,7 @@ def test_memory_sizes_are_parsed_or_refused() -> None:
         parse_size("80XB")
 
 
+@pytest.mark.slow
 def test_the_command_prints_an_estimate_and_the_knob_that_would_fit(capsys: pytest.CaptureFixture[str],
                                                                      tmp_path: Path) -> None:
     words = [*SMALL, *TINY_MODEL, "model.n_layer=1", "dataloader.batch_size=8"]

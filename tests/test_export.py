@@ -27,6 +27,7 @@ def ckpt(text_checkpoint: Path) -> Path:
     return text_checkpoint
 
 
+@pytest.mark.slow
 def test_onnx_export_has_dynamic_axes_and_matches_pytorch(ckpt: Path, tmp_path: Path,
                                                           capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("onnxscript")
@@ -45,6 +46,7 @@ def test_onnx_export_has_dynamic_axes_and_matches_pytorch(ckpt: Path, tmp_path: 
     assert got.shape == ref.shape and abs(got - ref).max() <= ONNX_ATOL
 
 
+@pytest.mark.slow
 def test_onnx_mismatch_writes_nothing_and_exits_1(ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                   capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("onnxscript")

@@ -57,6 +57,7 @@ def fsdp_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return run_dir
 
 
+@pytest.mark.slow
 def test_two_fsdp_ranks_match_one_process(fsdp_dir: Path, one_process_run: tuple[Path, dict[str, Any]]) -> None:
     s = json.loads((fsdp_dir / "summary.json").read_text())
     assert s["status"] == "completed" and s["world_size"] == 2 and s["knobs"]["distributed"] == "fsdp"
@@ -188,6 +189,7 @@ def _trained_to(metrics: Path, step: int) -> bool:
     return any(r["kind"] == "train" and r["step"] >= step for r in map(json.loads, filter(None, lines)))
 
 
+@pytest.mark.slow
 def test_sigterm_stops_every_rank_at_one_step_and_the_same_ranks_resume_exactly(tmp_path: Path) -> None:
     """SIGTERM to ``perfrun train distributed=fsdp nproc=2`` (as a scheduler sends it): the
     launcher passes it to torchrun, which passes it to both ranks; they agree on one step,
@@ -334,6 +336,7 @@ def test_reshard_and_prefetch_settings_change_what_fsdp_does(
     assert plan.notes["fsdp"]["reshard_last_block"] == ("fsdp.reshard_last_block=true" in overrides)
 
 
+@pytest.mark.slow
 def test_per_block_compile_keeps_fsdp_hooks_outside_the_graph() -> None:
     """compile_options.scope=blocks under FSDP2: every sharded block's forward is compiled
     whole (fullgraph: a hook inside would break the graph and fail), FSDP2's hooks stay on the

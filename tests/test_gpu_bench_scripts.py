@@ -75,6 +75,7 @@ def validated(dry_run_all: subprocess.CompletedProcess) -> set[tuple[str, ...]]:
     return trains
 
 
+@pytest.mark.slow
 def test_dry_run_prints_every_suite_runs_nothing_and_its_overrides_compose(
         dry_run_all: subprocess.CompletedProcess, validated: set[tuple[str, ...]]) -> None:
     res = dry_run_all
@@ -124,6 +125,7 @@ SMOKE_PATHS = [  # (what the row must run, a regular expression its printed comm
 ]
 
 
+@pytest.mark.slow
 def test_smoke_dry_run_runs_every_cuda_path_and_each_composes(
         validated: set[tuple[str, ...]], capsys: pytest.CaptureFixture[str]) -> None:
     res = dry_run("smoke")
@@ -148,6 +150,7 @@ def test_smoke_dry_run_runs_every_cuda_path_and_each_composes(
     assert trains and {tuple(overrides(ln)) for ln in trains} <= validated  # each composed and checked
 
 
+@pytest.mark.slow
 def test_smoke_writes_its_table_row_by_row_under_the_machine_and_versions(tmp_path: Path) -> None:
     """A spent budget: every row is written, as skipped with the reason, and nothing is run;
     the digest starts with the machine, the versions and the commit."""

@@ -50,6 +50,7 @@ def _faults() -> dict[str, Any]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @glibc
 def test_fixed_thresholds_fault_in_the_heap_once_and_are_undone_after_the_job():
     counted = _faults()

@@ -69,6 +69,7 @@ def tokens(n: int = 40) -> torch.Tensor:
     return torch.randint(0, 256, (2, n), generator=torch.Generator().manual_seed(1))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tied", [True, False])
 def test_logits_equal_transformers_llama_from_its_own_folder(tmp_path: Path, tied: bool) -> None:
     transformers = pytest.importorskip("transformers")

@@ -51,6 +51,7 @@ def one_error_line(err: str) -> str:
 
 # -- 2. a finished result is never destroyed ----------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("refused", [
     ["resume=auto"],  # already at max_steps (also what follows a kill -9 after the run finished)
     ["optim.lr=nan"],  # any bad value given with that run dir
@@ -101,6 +102,7 @@ def test_report_drops_rows_past_the_step_a_resume_continues_from(tmp_path: Path)
 
 # -- 3. resume=auto continues the run you stopped -----------------------------------------------
 
+@pytest.mark.slow
 def test_resume_auto_from_a_new_run_dir_continues_the_run_of_this_configuration(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture) -> None:
     monkeypatch.chdir(tmp_path)
@@ -146,6 +148,7 @@ def test_resume_auto_with_no_run_of_this_configuration_starts_fresh(tmp_path: Pa
     assert summary(tmp_path / "outputs" / "fresh")["resumed_from"] is None
 
 
+@pytest.mark.slow
 def test_the_hint_printed_at_a_stop_continues_the_run_when_pasted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     p = start_train(tmp_path, *SMALL, "max_steps=100000")
     wait_for(lambda: any(f.stat().st_size > 0 for f in tmp_path.rglob("metrics.jsonl")))
@@ -166,6 +169,7 @@ def test_the_hint_printed_at_a_stop_continues_the_run_when_pasted(tmp_path: Path
     assert [h["status"] for h in s["history"]] == ["interrupted"]
 
 
+@pytest.mark.slow
 def test_resume_auto_in_a_sweep_continues_each_job_of_the_sweep_before(tmp_path: Path,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)

@@ -202,6 +202,7 @@ def _wait_for_tokens(tmp: Path, proc: subprocess.Popen) -> None:
         time.sleep(0.005)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT])
 def test_a_stopped_prepare_leaves_nothing_training_would_read(corpus: Path, bpe: Path, tmp_path: Path, sig: int) -> None:
     big = tmp_path / "big"

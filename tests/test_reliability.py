@@ -189,6 +189,7 @@ def fixtures_as_made(fixtures: Path) -> tuple[dict[str, tuple[int, int, int]], d
     return _stats(fixtures), _digest(fixtures)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=[c.what for c in CASES])
 def test_bad_input_gets_one_line(case, fixtures: Path, fixtures_as_made: tuple[dict, dict],
                                  capfd: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -229,6 +230,7 @@ def _first_metrics(tmp_path: Path) -> bool:
     return any(p.stat().st_size > 0 for p in tmp_path.rglob("metrics.jsonl"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_signal_stops_gracefully_and_resumes(tmp_path: Path, sig: int, code: int,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
@@ -254,6 +256,7 @@ def test_signal_stops_gracefully_and_resumes(tmp_path: Path, sig: int, code: int
     assert s2["status"] == "completed" and s2["start_step"] == stop_step and s2["steps"] == stop_step + 3
 
 
+@pytest.mark.slow
 def test_second_sigint_stops_at_once(tmp_path: Path) -> None:
     """The second SIGINT is sent once the first was handled (two signals that arrive while
     the interpreter is inside one C call are delivered as one), during a ~1 s step."""
@@ -271,6 +274,7 @@ def test_second_sigint_stops_at_once(tmp_path: Path) -> None:
     assert s["status"] == "interrupted" and "second SIGINT" in s["reason"]
 
 
+@pytest.mark.slow
 def test_kill_9_during_a_checkpoint_write_leaves_the_previous_one(tmp_path: Path) -> None:
     """A model big enough that a save takes a while; killed while a .tmp is being written."""
     p = start_train(tmp_path, "model.n_layer=2", "model.n_embd=512", "model.n_head=4", "model.block_size=32",

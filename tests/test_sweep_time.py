@@ -72,6 +72,7 @@ def test_eta_counts_jobs_and_scales_the_plan() -> None:
     assert sweep_plan.duration(3725) == "1h02m" and sweep_plan.duration(75) == "1m15s"
 
 
+@pytest.mark.slow
 def test_a_ladder_estimates_its_time_first_and_its_jobs_take_the_budgets(tmp_path: Path,
                                                                          capfd: pytest.CaptureFixture[str]) -> None:
     sweep = tmp_path / "ladder"

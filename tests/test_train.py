@@ -35,6 +35,7 @@ def unigram_entropy(tokens: np.ndarray) -> float:
     return float(-(p * np.log(p)).sum())
 
 
+@pytest.mark.slow
 def test_default_data_learns_beyond_unigram(tmp_path: Path) -> None:
     """The default run learns: validation loss falls from ln(256) = 5.55 (uniform bytes)
     to below the val set's own unigram entropy (about 3.3 nats for Python source), which

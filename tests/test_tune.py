@@ -186,6 +186,7 @@ def test_keys_and_flags_spell_the_same_tune(tmp_path: Path, capsys: pytest.Captu
     assert saved[0]["overrides"] == ["model=gpt2"]
 
 
+@pytest.mark.slow
 def test_help_lists_every_key_and_flag_and_cfg_job_composes(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
