@@ -44,6 +44,7 @@ def in_process(module: ModuleType) -> Callable[..., dict[str, Any]]:
     return spawn
 
 
+@pytest.mark.slow
 def test_two_pairs_report_the_ratio_its_interval_the_threads_and_the_load(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     out = tmp_path / "bench.json"

@@ -110,6 +110,7 @@ def test_two_ranks_match_one_process_with_the_same_global_batch(
     assert abs(s["final_val_loss"] - one["final_val_loss"]) <= TOL * one["final_val_loss"]  # sharded val, averaged
 
 
+@pytest.mark.slow
 def test_only_rank_0_writes_into_one_run_dir(ddp_run: Path) -> None:
     files = sorted(str(p.relative_to(ddp_run)) for p in ddp_run.rglob("*") if p.is_file())
     (run_dir,) = {Path(f).parts[:3] for f in files}  # everything under one outputs/DATE/TIME
@@ -121,6 +122,7 @@ def test_only_rank_0_writes_into_one_run_dir(ddp_run: Path) -> None:
     assert len([r for r in map(json.loads, lines) if r["kind"] == "train"]) == STEPS  # one writer, no duplicates
 
 
+@pytest.mark.slow
 def test_every_ranks_telemetry_reaches_rank_0s_log(ddp_run: Path) -> None:
     (run_dir,) = [p.parent for p in ddp_run.glob("outputs/*/*/summary.json")]
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
@@ -189,6 +191,7 @@ def test_resume_auto_under_ddp_continues_the_run_in_its_run_dir_exactly(
     assert [r["loss"] for r in redone] == [a[r["step"]] for r in redone]  # bit for bit
 
 
+@pytest.mark.slow
 def test_a_ddp_checkpoint_resumes_in_one_process_with_the_same_global_batch(ddp_run: Path, tmp_path: Path) -> None:
     (run_dir,) = [p.parent for p in ddp_run.glob("outputs/*/*/summary.json")]
     s = run(make_cfg(*COMMON, "dataloader.batch_size=4", f"resume={run_dir / 'checkpoints' / 'step_0000003.pt'}",
@@ -198,6 +201,7 @@ def test_a_ddp_checkpoint_resumes_in_one_process_with_the_same_global_batch(ddp_
     assert all(abs(a[k] - b[k]) <= TOL * abs(a[k]) for k in b), (a, b)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_from_before_ranks_were_recorded_infers_them(ddp_run: Path, tmp_path: Path) -> None:
     """Written by 2 ranks before perfrun recorded world_size: within the first epoch the
     data position says how many ranks there were, so the global batch is checked right."""

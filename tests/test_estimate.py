@@ -129,6 +129,7 @@ def test_fsdp_over_a_fake_process_group_shards_the_optimizer_state() -> None:
     assert not torch.distributed.is_initialized()  # the fake group is gone
 
 
+@pytest.mark.slow
 def test_the_largest_batch_fits_and_one_more_does_not() -> None:
     cfg = make_cfg(*SMALL)
     at = functools.cache(lambda b: estimate(cfg, VOCAB, batch_size=b, top=0).peak_bytes)  # each batch estimated once
@@ -219,6 +220,7 @@ def test_a_memory_size_that_is_no_size_is_refused_before_any_work(capsys: pytest
     assert "memory.size=lots is not a memory size" in err and "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_the_train_log_says_the_estimate_and_warns_before_step_1(caplog: pytest.LogCaptureFixture) -> None:
     from perfrun.loop.memory.preflight import train_preflight
 

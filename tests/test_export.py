@@ -95,6 +95,7 @@ def test_safetensors_round_trip_in_the_hugging_face_layout(ckpt: Path, tmp_path:
     assert not [p for p in out.iterdir() if p.name.startswith(".")]
 
 
+@pytest.mark.slow
 def test_transformers_loads_the_export(ckpt: Path, tmp_path: Path) -> None:
     pytest.importorskip("safetensors")
     transformers = pytest.importorskip("transformers")

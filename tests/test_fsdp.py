@@ -71,6 +71,7 @@ def test_two_fsdp_ranks_match_one_process(fsdp_dir: Path, one_process_run: tuple
     assert all(abs(a[k] - b[k]) <= TOL * abs(a[k]) for k in a), (a, b)
 
 
+@pytest.mark.slow
 def test_every_rank_writes_its_shards_into_one_folder(fsdp_dir: Path) -> None:
     ckpts = checkpoint_files.list_checkpoints(fsdp_dir / "checkpoints")
     assert [c.name for c in ckpts] == ["step_0000003", "step_0000006"]
@@ -83,6 +84,7 @@ def test_every_rank_writes_its_shards_into_one_folder(fsdp_dir: Path) -> None:
     assert not list(fsdp_dir.rglob("*.partial"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["fsdp", "none"])
 def test_resume_on_one_process_continues_with_the_same_global_batch(
         fsdp_dir: Path, tmp_path: Path, mode: str, caplog: pytest.LogCaptureFixture) -> None:
@@ -97,6 +99,7 @@ def test_resume_on_one_process_continues_with_the_same_global_batch(
     assert all(abs(a[k] - b[k]) <= TOL * abs(a[k]) for k in b), (a, b)
 
 
+@pytest.mark.slow
 def test_the_same_global_batch_split_another_way_warns(
         fsdp_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """2 ranks x 2 x 2 micro-steps, resumed as 1 x 8 x 1: the same 8 sequences per step."""
@@ -107,6 +110,7 @@ def test_the_same_global_batch_split_another_way_warns(
     assert "the same global batch split another way" in caplog.text and "instead of 4" in caplog.text
 
 
+@pytest.mark.slow
 def test_unreadable_shards_are_one_line(fsdp_dir: Path, tmp_path: Path) -> None:
     ckpt = tmp_path / "step_0000003"
     shutil.copytree(fsdp_dir / "checkpoints" / "step_0000003", ckpt)
@@ -126,6 +130,7 @@ def test_a_failed_sharded_save_is_one_line_and_keeps_nothing_half_done(tmp_path:
     assert checkpoint_files.list_checkpoints(tmp_path) == []
 
 
+@pytest.mark.slow
 def test_a_different_global_batch_is_refused(fsdp_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"global batch of 8 sequences per step .* set dataloader.batch_size=4"):
         run(make_cfg(*COMMON, "distributed=fsdp", "dataloader.batch_size=2",
@@ -139,6 +144,7 @@ def test_fsdp_refuses_a_single_file_checkpoint(tmp_path: Path) -> None:
         run(make_cfg(*COMMON, "distributed=fsdp", "dataloader.batch_size=4", f"resume={ckpt}"), tmp_path / "r")
 
 
+@pytest.mark.slow
 def test_a_save_cut_short_is_ignored_and_cleaned_up(fsdp_dir: Path, tmp_path: Path) -> None:
     ckpts = tmp_path / "checkpoints"
     shutil.copytree(fsdp_dir / "checkpoints", ckpts)
@@ -171,6 +177,7 @@ def test_a_step_in_both_layouts_resolves_to_the_newer(tmp_path: Path) -> None:
     assert checkpoint_files.list_checkpoints(tmp_path)[-1].name == "step_0000003.pt"
 
 
+@pytest.mark.slow
 def test_generate_and_export_read_a_sharded_checkpoint(
         fsdp_dir: Path, one_process_run: tuple[Path, dict[str, Any]]) -> None:
     sharded = load_model(fsdp_dir)  # a run folder: its newest checkpoint

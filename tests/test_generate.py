@@ -341,6 +341,7 @@ def test_prompts_file_prints_one_json_line_per_prompt_as_each_prompt_alone(sharp
         assert capsys.readouterr().out == row["prompt"] + row["completion"] + "\n"
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("one_cxx_build_per_graph")
 def test_compile_from_the_cli_reports_its_time_apart_and_gives_the_same_text(sharp_ckpt: Path,
                                                                             capsys: pytest.CaptureFixture[str]) -> None:

@@ -170,6 +170,7 @@ def test_smoke_writes_its_table_row_by_row_under_the_machine_and_versions(tmp_pa
     assert not list(tmp_path.glob("smoke_*.log"))  # nothing ran
 
 
+@pytest.mark.slow
 def test_torch_api_probe_reads_perfrun_and_names_what_is_missing(tmp_path: Path) -> None:
     probe = script("torch_api_probe")
     used = probe.used_names()
@@ -261,6 +262,7 @@ def test_loss_parity_compares_the_tail_of_two_runs(tmp_path: Path, capsys: pytes
     assert "no train losses" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_starvation_benchmark_runs_its_four_cases_on_the_cpu(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """The script's main in this process (its jobs run in-process anyway; the slow case's

@@ -109,6 +109,7 @@ def test_wandb_offline_run_reads_back(tmp_path: Path, one_thread: None, monkeypa
     assert summary["summary/status"] == "completed"
 
 
+@pytest.mark.slow
 def test_mlflow_file_store_reads_back(tmp_path: Path, one_thread: None) -> None:
     from mlflow.tracking import MlflowClient
 

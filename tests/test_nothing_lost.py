@@ -70,6 +70,7 @@ def test_a_refused_command_leaves_a_completed_run_as_it_was(tmp_path: Path, monk
     assert digest(tmp_path / "run") == before
 
 
+@pytest.mark.slow
 def test_a_resume_keeps_the_history_and_report_drops_redone_steps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     run = tmp_path / "run"
@@ -123,6 +124,7 @@ def test_resume_auto_from_a_new_run_dir_continues_the_run_of_this_configuration(
     assert json.loads(out)["resumed_from_step"] == 5 and json.loads(out)["steps"] == 7
 
 
+@pytest.mark.slow
 def test_resume_auto_refuses_when_several_runs_could_be_meant(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                              capfd: pytest.CaptureFixture) -> None:
     monkeypatch.chdir(tmp_path)
@@ -286,6 +288,7 @@ def test_an_unexpected_error_ends_the_run_failed_with_its_reason(tmp_path: Path,
     assert "Traceback" in log and "def broken" not in log and "raise ValueError" in log
 
 
+@pytest.mark.slow
 def test_a_sweep_whose_job_dies_still_writes_its_summary(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                          capfd: pytest.CaptureFixture) -> None:
     import perfrun.loop.run as train_module

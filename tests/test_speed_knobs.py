@@ -56,6 +56,7 @@ def test_chunked_trains_as_standard(standard_runs: dict[int, Path], micro: int, 
     assert standard["knobs"]["loss"] == {"name": "standard"}
 
 
+@pytest.mark.slow
 def test_compiled_gpt_with_the_chunked_loss_has_no_graph_break() -> None:
     """The model's forward with its loss function, compiled with fullgraph=True (a graph
     break fails), gives the eager standard loss and gradients, tied head included."""

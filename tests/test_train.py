@@ -97,6 +97,7 @@ PRECISIONS = {"none": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float
 CHECKPOINTING = ["none", "full", "selective"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", list(PRECISIONS))
 def test_knob_matrix_changes_what_each_knob_changes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                     precision: str) -> None:

@@ -118,6 +118,7 @@ def test_bad_input_is_one_line(capsys: pytest.CaptureFixture[str], tmp_path: Pat
     assert len(err) == 1 and err[0].startswith("perfrun: error: tune:") and words in err[0]
 
 
+@pytest.mark.slow
 def test_a_real_quick_tune_on_the_cpu(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     out = tmp_path / "tune"
     rc = tune.main(["device=cpu", "--quick", "--batch-sizes", "2,4", "--steps", "3", "--warmup", "1",
@@ -220,6 +221,7 @@ def test_json_puts_the_result_alone_on_stdout(tmp_path: Path, capsys: pytest.Cap
     assert json.loads(out)["winner"] is None and "every trial failed" in err
 
 
+@pytest.mark.slow
 def test_a_tune_keeps_its_checkpoints_when_asked(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     out = tmp_path / "tune"
     assert tune.main(["device=cpu", "--quick", "--batch-sizes", "2", "--steps", "2", "--warmup", "1",
