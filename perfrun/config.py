@@ -133,6 +133,7 @@ class CompileOptions:
     scope: str = "model"  # model | blocks: the whole module, or each block's forward (perfrun/knobs/compilation.py)
     fullgraph: bool = False
     dynamic: bool | None = False
+    backend: str = "inductor"  # inductor | aot_eager: torch.compile's backend (aot_eager: dynamo's graphs, no kernels)
 
 
 @dataclass
@@ -228,6 +229,15 @@ class AblationConfig:
 
 
 @dataclass
+class RuntimeConfig:
+    """Process-wide settings a job makes for itself and undoes at its end (perfrun/loop/runtime.py).
+    The defaults leave the process as its caller has it; ``perfrun train`` picks conf/runtime/."""
+
+    gc: str = "default"  # default | freeze: what is alive before the job out of the collector's sight
+    malloc: str = "system"  # system | fixed: glibc's heap thresholds fixed for a CPU job
+
+
+@dataclass
 class TrainConfig:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     checkpointing: ActivationCheckpointingConfig = field(default_factory=ActivationCheckpointingConfig)
@@ -266,6 +276,7 @@ class TrainConfig:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     repeat: int = 0  # which repeat of a sweep's measurement this job is; report groups repeats by it
     ablation: AblationConfig = field(default_factory=AblationConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
 
 
 def config_dir() -> str:
@@ -319,11 +330,14 @@ CHOICES = {
     "loss.name": LOSSES,
     "precision.recipe": ("tensorwise", "rowwise"),
     "compile_options.scope": ("model", "blocks"),
+    "compile_options.backend": ("inductor", "aot_eager"),
     "attention": ("sdpa", "eager"),
     "sdpa_backend": ("auto", "flash", "efficient", "cudnn", "math"),
     "progress": ("auto", "bar", "plain", "off"),
     "distributed": ("none", "ddp", "fsdp"),
     "ablation.acts_on": resolvers.ACTS_ON,
+    "runtime.gc": ("default", "freeze"),
+    "runtime.malloc": ("system", "fixed"),
 }
 
 
@@ -339,14 +353,10 @@ def typed(composed: DictConfig) -> TrainConfig:
             f"{', '.join(unknown)}: not a key perfrun knows; remove it "
             "(perfrun train --cfg job lists the keys)"
         )
-    # each of the schema's keys read as OmegaConf.to_object reads it, and Hydra's node, where
-    # a composition kept it, left where it is (a copy without it took ~17 ms of ~23 on 2 cores)
-    values = {}
-    for f in dataclasses.fields(TrainConfig):
-        if f.init and f.name in composed:
-            value = composed[f.name]
-            values[f.name] = OmegaConf.to_object(value) if OmegaConf.is_config(value) else value
-    cfg = TrainConfig(**values)
+    if "hydra" in composed:  # composed with return_hydra_config: the job's part, as Hydra hands it to a job
+        composed = OmegaConf.masked_copy(composed, [k for k in composed if k != "hydra"])
+    made = OmegaConf.to_object(composed)  # the copy is a plain root whose values are the schema's dataclasses
+    cfg = made if isinstance(made, TrainConfig) else TrainConfig(**made)
     for key, options in CHOICES.items():
         parent, _, leaf = key.rpartition(".")
         node = _get(cfg, parent) if parent else cfg

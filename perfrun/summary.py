@@ -49,7 +49,7 @@ class RunSummary(TypedDict, total=False):
     knob_fits: list[dict[str, Any]]  # each configured knob: applies or not, and why (perfrun/models/contract.py)
     data: str
     batch_size_auto: dict[str, Any] | None
-    host_heap: dict[str, Any] | None  # a CPU run: glibc's heap thresholds as set (perfrun/loop/host_heap.py)
+    runtime: dict[str, Any]  # runtime.gc and runtime.malloc as the job applied them (perfrun/loop/runtime.py)
     memory_snapshot: bool | None
     memory_snapshot_path: str | None
     environment: dict[str, Any]

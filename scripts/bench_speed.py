@@ -115,7 +115,7 @@ def perfrun_row(overrides: list[str]) -> dict[str, Any]:
             "device": s["environment"]["device_name"], "fp8_kept": (s["knobs"].get("fp8") or {}).get("kept_in_bf16")}
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--warmup", type=int, default=15)
@@ -128,7 +128,7 @@ def main() -> int:
     ap.add_argument("--profile-best", type=Path, metavar="DIR",
                     help="profile the fastest perfrun variant into DIR and print its top kernels")
     ap.add_argument("overrides", nargs="*")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     common = [f"max_steps={args.steps}", f"timing_warmup_steps={args.warmup}", "progress=off",
               f"eval_every={args.steps}", "eval_batches=1", "checkpoint.at_end=false", "monitor.every_n_steps=0",

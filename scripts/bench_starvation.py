@@ -99,7 +99,7 @@ def print_table(table: dict[str, dict[str, Any]], args: argparse.Namespace) -> N
     print("starvation: " + ", ".join(f"{n} {_pct(r['gpu_starved_pct'])}" for n, r in table.items()))
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--memmap", type=Path, required=True, help="a folder perfrun prepare wrote (train.bin, meta.json)")
     ap.add_argument("--steps", type=int, default=60)
@@ -108,7 +108,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, help="keep each case's run folder here (default: a temporary folder)")
     ap.add_argument("--json", type=Path, help="also write the figures here")
     ap.add_argument("overrides", nargs="*")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if not (args.memmap / "train.bin").is_file():
         error(f"--memmap {args.memmap} has no train.bin; make it with: "
               f"perfrun prepare path=README.md out={args.memmap} tokenizer=byte")

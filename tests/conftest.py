@@ -3,24 +3,22 @@
 from __future__ import annotations
 
 import compileall
+import contextlib
 import copy
 import functools
 import gc
 import json
 import os
+import shutil
 import subprocess
 import sys
-import tempfile
 import time
-import warnings
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from hydra_cache import Frozen
-from warm_processes import Server, WarmProcess, launchers_forked
 
 if TYPE_CHECKING:
     from perfrun.config import TrainConfig
@@ -53,20 +51,18 @@ RANKS_COMMON = [*TINY_MODEL, "max_steps=6", "log_every=1", "eval_every=0", "eval
                 "progress=off", "monitor.every_n_steps=0", "optim.warmup_steps=2", "accumulation.steps=2"]
 
 
-# The test files that take longest, slowest first (the sum of their tests' times, setup
-# included, in one run of the suite on the 2-core EPYC at b9ff472; those of 2 s or more).
-# Two xdist workers handed the longest files first end together (with xdist's own order, most
-# tests first, a long file of one test came last and one worker waited up to 15 s for the
-# other). Files not named follow, most tests first. A stale list costs balance, never a test.
-SLOW_FIRST = ("test_reliability.py", "test_fsdp.py", "test_estimate.py", "test_cli.py", "test_sweep.py",
-              "test_distributed.py", "test_nothing_lost.py", "test_llama.py", "test_gpu_bench_scripts.py",
-              "test_ladder_once.py", "test_generate.py", "test_train.py", "test_export.py", "test_prepare.py",
-              "test_bench_train.py", "test_loggers.py", "test_data.py", "test_verdict.py", "test_batch_size.py",
-              "test_host_heap.py", "test_custom_model.py", "test_sweep_time.py", "test_contract.py", "test_tune.py",
-              "test_speed_knobs.py", "test_untrusted_files.py", "test_compose_once.py", "test_cluster_launcher.py",
-              "test_ladder.py", "test_hydra_cache.py", "test_gpucheck.py", "test_sweep_stop.py", "test_flops.py",
-              "test_house.py", "test_telemetry.py", "test_warm_processes.py", "test_memory.py",
-              "test_between_jobs.py", "test_plots.py", "test_report.py")
+# The test files that take longest, slowest first (the CPU seconds of their tests, setup
+# included, in one run of the whole suite: docs/test-suite.md; those of 2 s or more). Two
+# xdist workers handed the longest files first end together (with xdist's own order, most
+# tests first, a long file of one test came last and one worker waited for the other).
+# Files not named follow, most tests first. A stale list costs balance, never a test.
+SLOW_FIRST = ("test_reliability.py", "test_fsdp.py", "test_distributed.py", "test_cli.py", "test_nothing_lost.py",
+              "test_sweep.py", "test_gpu_bench_scripts.py", "test_estimate.py", "test_generate.py", "test_tune.py",
+              "test_train.py", "test_llama.py", "test_ladder_once.py", "test_cluster_launcher.py",
+              "test_bench_train.py", "test_export.py", "test_prepare.py", "test_loggers.py", "test_sweep_stop.py",
+              "test_untrusted_files.py", "test_sweep_time.py", "test_batch_size.py", "test_custom_model.py",
+              "test_console.py", "test_data.py", "test_gpucheck.py", "test_ladder.py", "test_speed_knobs.py",
+              "test_contract.py", "test_host_heap.py", "test_flops.py", "test_verdict.py", "test_plots.py")
 
 
 def pytest_configure(config: Any) -> None:
@@ -90,17 +86,6 @@ def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _compositions_kept() -> None:
-    """Hydra's compositions remembered in this test process (:mod:`hydra_cache`), before
-    any test composes, with every schema of perfrun's commands already stored."""
-    import hydra_cache
-
-    hydra_cache.install()
-    if hydra_cache.active():
-        hydra_cache.store_schemas()
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -130,8 +115,7 @@ def _one_thread_per_process() -> Iterator[None]:
 def _environment_as_it_was() -> Iterator[None]:
     """What a test's in-process job puts in os.environ stays in that test (perfrun's MLflow
     logger sets MLFLOW_ALLOW_FILE_STORE for its file store, torch and perfrun a few run-time
-    settings): a later test's commands inherit this process's environment, and one that
-    differs from the warm interpreter's starts a fresh interpreter (~5 s of imports)."""
+    settings): a later test's commands inherit this process's environment."""
     before = dict(os.environ)
     yield
     if os.environ != before:
@@ -226,64 +210,23 @@ def text_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @functools.cache
-def _groups() -> frozenset[str]:
-    """conf/'s config groups: an override of one of these picks a file of the defaults list;
-    any other override sets a value of the composed configuration."""
-    from perfrun.config import config_dir
-
-    return frozenset(p.name for p in Path(config_dir()).iterdir() if p.is_dir())
-
-
-def picks_a_file(override: str) -> bool:
-    key = override.split("=", 1)[0].lstrip("+~")
-    return "/" in key or key in _groups() or key.startswith("hydra")
-
-
-@functools.cache
-def _composed(choices: tuple[str, ...]) -> Frozen:
-    """train.yaml composed by Hydra with these group choices and no other override, kept
-    pickled (unpickled, a copy is made several times faster than by ``copy.deepcopy``)."""
+def _typed(overrides: tuple[str, ...]) -> TrainConfig:
+    """train.yaml composed by Hydra's compose API with ``overrides``, then typed. Kept per
+    test process for the same overrides (the result of a public call, never Hydra's state);
+    a composition that fails raises again next time."""
     from hydra import compose, initialize_config_dir
 
-    from perfrun.config import config_dir, register_configs
+    from perfrun.config import config_dir, register_configs, typed
 
     register_configs()
     with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
-        return Frozen(compose("train", overrides=list(choices)))
-
-
-@functools.cache
-def _parsed(override: str) -> Any:
-    """One override as Hydra's parser reads it (~0.6 ms each on 2 cores; TINY's dozen are in
-    every make_cfg); a copy is used each time. An override that does not parse raises, and
-    is parsed again next time."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    return OverridesParser.create().parse_overrides([override])[0]
+        return typed(compose("train", overrides=list(overrides)))
 
 
 def make_cfg(*overrides: str, tiny: bool = True) -> TrainConfig:
-    """A job's configuration as ``perfrun train`` makes it: composed from conf/, then typed.
-
-    Hydra composes in two steps: the files the group choices pick, merged; then every other
-    override applied to the result (struct mode on). The first step is made once per set of
-    choices in a test process (a compose takes ~0.2 s on 2 cores; the suite makes ~500), the
-    second is Hydra's own code on a copy of it. test_compose_once.py holds the result equal
-    to a whole compose."""
-    from hydra._internal.config_loader_impl import ConfigLoaderImpl
-    from hydra.errors import ConfigCompositionException
-    from omegaconf.errors import OmegaConfBaseException
-
-    from perfrun.config import typed
-
-    given = (TINY if tiny else []) + list(overrides)
-    cfg = _composed(tuple(o for o in given if picks_a_file(o))).copy()
-    values = [copy.deepcopy(_parsed(o)) for o in given if not picks_a_file(o)]
-    try:
-        ConfigLoaderImpl._apply_overrides_to_config(values, cfg)
-    except OmegaConfBaseException as e:  # as Hydra's compose raises it
-        raise ConfigCompositionException(str(e)) from e
-    return typed(cfg)
+    """A job's configuration as ``perfrun train`` makes it: composed from conf/ by Hydra's
+    compose API, then typed (``TINY`` first unless ``tiny=False``). A copy: a test may change it."""
+    return copy.deepcopy(_typed(tuple((TINY if tiny else []) + list(overrides))))
 
 
 def _pythonpath() -> str:
@@ -294,80 +237,17 @@ def _pythonpath() -> str:
 
 def child_env(**settings: str) -> dict[str, str]:
     """This process's environment for a command it starts, with this checkout first on
-    PYTHONPATH (as the warm interpreter has it) and ``settings`` added."""
+    PYTHONPATH and ``settings`` added."""
     return {**os.environ, "PYTHONPATH": _pythonpath(), **settings}
 
 
-_warm: list[Server] = []  # this test process's warm interpreter
-_started: list[Server] = []  # the one this process started (each test process, or pytest-xdist's controller)
-# the model most of the suite's commands train: the warm interpreter counts its FLOPs once
-# (the count depends on the model, not on the data it is given)
-WARM_MODEL = [*TINY_MODEL, "data=synthetic", "data.vocab_size=256"]
-
-
-def _start_server(*, wait: bool) -> Server:
-    """A warm interpreter with the environment the session's commands have (see
-    ``_cache_dir`` and ``_one_thread_per_process``); its own cache in its folder."""
-    folder = Path(tempfile.mkdtemp(prefix="perfrun-warm-"))
-    (folder / "cache").mkdir()
-    env = child_env(OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PERFRUN_CACHE=str(folder / "cache"))
-    server = Server(folder, env, counted=[WARM_MODEL], wait=wait)
-    _started.append(server)
-    return server
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_configure_node(node: Any) -> None:
-    """pytest-xdist's controller starts one warm interpreter for all its workers (each
-    started its own: 7.1 s of CPU on the 2-core EPYC) and hands them its socket; it does not
-    wait for it: the workers wait, after their collection, where they need it."""
-    try:
-        server = _started[0] if _started else _start_server(wait=False)
-    except OSError as e:  # the workers then start their own, as a single test process does
-        warnings.warn(f"the warm interpreter did not start: {e}", stacklevel=1)
-        return
-    node.workerinput["perfrun_warm"] = {"path": server.path, "env": server.env}
-
-
-def pytest_unconfigure(config: Any) -> None:
-    for server in _started:
-        server.close()
-    _started.clear()
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _warm_interpreter(request: pytest.FixtureRequest, _cache_dir: None,
-                      _one_thread_per_process: None) -> Iterator[None]:
-    """The session's warm interpreter, before any test changes the environment: a command
-    run with that environment is forked from it. Under pytest-xdist, the controller's (one
-    for every worker); else started here."""
-    given = getattr(request.config, "workerinput", {}).get("perfrun_warm")
-    try:
-        if given:
-            server = Server.attach(given["path"], given["env"])
-            server.wait()
-        else:
-            server = _start_server(wait=True)
-        _warm.append(server)
-    except RuntimeError as e:  # the commands then start fresh interpreters, as they would without it
-        warnings.warn(f"{e}: every perfrun process of this test process starts a fresh interpreter", stacklevel=1)
-    if _warm and _warm[0].printed:
-        warnings.warn(f"the warm interpreter's imports printed {_warm[0].printed!r}: every perfrun process of this test "
-                      "process starts a fresh interpreter, which prints it too", stacklevel=1)
-    yield
-    _warm.clear()
-
-
 def perfrun_process(*args: str, cwd: Path | str, env: dict[str, str] | None = None, stdin: Any = None,
-                    stdout: Any = None, stderr: Any = None, text: bool = False, module: str = "perfrun") -> Any:
-    """``python -m MODULE ARGS`` (perfrun by default) as a process of its own, as
-    ``subprocess.Popen`` starts it; ``env``: the whole environment (by default this process's,
-    with this checkout first on PYTHONPATH). Forked from a warm interpreter where the
-    environment allows it (:mod:`warm_processes`), else a fresh one."""
+                    stdout: Any = None, stderr: Any = None, text: bool = False,
+                    module: str = "perfrun") -> subprocess.Popen:
+    """``python -m MODULE ARGS`` (perfrun by default) as a fresh process of its own, as a user
+    starts it; ``env``: the whole environment (by default this process's, with this checkout
+    first on PYTHONPATH)."""
     env = child_env() if env is None else env
-    if _warm and _warm[0].serves(env):
-        return WarmProcess(_warm[0], list(args), cwd=cwd, env=env, stdin=stdin, stdout=stdout, stderr=stderr,
-                           text=text, module=module)
     return subprocess.Popen([sys.executable, "-m", module, *args], cwd=cwd, env=env, stdin=stdin, stdout=stdout,
                             stderr=stderr, text=text)
 
@@ -380,7 +260,7 @@ def run_cli(*args: str, cwd: Path, timeout: float = 240, env: dict[str, str] | N
                                       text=True, module=module), timeout)
 
 
-def _completed(proc: Any, timeout: float) -> subprocess.CompletedProcess:
+def _completed(proc: subprocess.Popen, timeout: float) -> subprocess.CompletedProcess:
     """What ``subprocess.run`` returns for ``proc``, its output piped: killed at the timeout."""
     try:
         out, err = proc.communicate(timeout=timeout)
@@ -392,23 +272,21 @@ def _completed(proc: Any, timeout: float) -> subprocess.CompletedProcess:
 
 
 def launch(*args: str, cwd: Path) -> int:
-    """``perfrun ARGS`` with the launcher in this process (a process start fewer than
-    :func:`run_cli`): what it starts, torchrun and its ranks, are real processes that import
-    this checkout (torchrun and its ranks forked from the warm interpreter). Its exit code."""
+    """``perfrun ARGS`` with the dispatcher called in this process (a process start fewer than
+    :func:`run_cli`): what it starts (torchrun and its ranks) are real fresh processes that
+    import this checkout. Its exit code."""
     from perfrun.commands.dispatch import main as cli_main
 
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(cwd)
         mp.setenv("PYTHONPATH", _pythonpath())
-        if _warm:
-            mp.setattr(subprocess, "Popen", launchers_forked(_warm[0], subprocess.Popen))
         try:
             return cli_main(list(args))
         except SystemExit as e:  # Hydra's app exits through SystemExit
             return int(e.code or 0)
 
 
-def start_train(cwd: Path, *args: str) -> Any:
+def start_train(cwd: Path, *args: str) -> subprocess.Popen:
     """``perfrun train args`` as a separate process, its output piped, for a test to signal or kill."""
     env = child_env(PYTHONUNBUFFERED="1")
     return perfrun_process("train", *args, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -424,12 +302,37 @@ def wait_for(predicate: Any, timeout: float = 120) -> None:
 
 
 def torchrun(cwd: Path, *args: str, nproc: int = 2) -> subprocess.CompletedProcess:
-    """``torchrun --nproc_per_node=N -m perfrun train ARGS``, as a user starts it by hand
-    (torchrun and its ranks forked from the warm interpreter)."""
+    """``torchrun --nproc_per_node=N -m perfrun train ARGS``, as a user starts it by hand."""
     env = child_env(COLUMNS="200")
     return _completed(perfrun_process("--standalone", f"--nproc_per_node={nproc}", "-m", "perfrun", "train", *args,
                                       cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                      module="torch.distributed.run"), 120)
+                                      module="torch.distributed.run"), 240)
+
+
+@contextlib.contextmanager
+def small_disk(folder: Path, size: str) -> Iterator[Path]:
+    """A real tmpfs of ``size`` (``64k``) mounted at ``folder``, made here: a disk that fills
+    up for real. The test is skipped where mounting is not allowed."""
+    folder.mkdir(parents=True, exist_ok=True)
+    if shutil.which("mount") is None:
+        pytest.skip("no mount command here")
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"mounting a tmpfs is not permitted here ({done.stderr.decode().strip()})")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)
+
+
+def fill(disk: Path) -> None:
+    """Write into ``disk`` until it is full."""
+    with (disk / ".filler").open("wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(bytes(64 * 1024))
+        except OSError:
+            pass  # full: what it is for
 
 
 def losses(run_dir: Path) -> dict[int, float]:

@@ -111,6 +111,7 @@ def _train_losses(run_dir: Path) -> list[float]:
     return [r["loss"] for r in map(json.loads, lines) if r["kind"] == "train"]
 
 
+@pytest.mark.slow
 def test_auto_on_cpu_respects_the_budget_and_leaves_the_run_untouched(tmp_path: Path) -> None:
     common = ["max_steps=4", "log_every=1", "timing_warmup_steps=1"]
     cfg = make_cfg(*common, "dataloader.batch_size=auto", "dataloader.memory_budget_mib=3")

@@ -9,7 +9,6 @@ import contextlib
 import importlib.util
 import io
 import json
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -45,12 +44,12 @@ def in_process(module: ModuleType) -> Callable[..., dict[str, Any]]:
     return spawn
 
 
+@pytest.mark.slow
 def test_two_pairs_report_the_ratio_its_interval_the_threads_and_the_load(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     out = tmp_path / "bench.json"
     module = bench()
     monkeypatch.setattr(module, "spawn", in_process(module))
-    monkeypatch.setattr(sys, "argv", ["bench_train.py"])
     assert module.main(["--pairs", "2", "--steps", "3", "--warmup", "1", "--threads", "1", "--configs", "custom",
                         "--json", str(out), *SMALL]) == 0
     result = json.loads(out.read_text())
@@ -72,6 +71,7 @@ def test_two_pairs_report_the_ratio_its_interval_the_threads_and_the_load(
     assert "custom pair 2/2 (plain first)" in shown and "95% sign test" in shown and "busiest others" in shown
 
 
+@pytest.mark.slow
 def test_a_side_in_a_fresh_process_runs_on_the_threads_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
     """``spawn`` as the benchmark starts each side: a fresh process that reads back the
     threads it ran with (``--threads 1``, against this process's OMP_NUM_THREADS, changed here
@@ -82,9 +82,9 @@ def test_a_side_in_a_fresh_process_runs_on_the_threads_asked_for(monkeypatch: py
     assert (got["torch_threads"], got["omp_num_threads"]) == (1, "1") and got["tokens_per_s"] > 0
 
 
-def test_python_calls_per_step_of_both_sides(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.slow
+def test_python_calls_per_step_of_both_sides() -> None:
     module = bench()
-    monkeypatch.setattr(sys, "argv", ["bench_train.py"])
     counts = {side: module.calls_per_step(side, 1, [*SMALL, "progress=off", "monitor.every_n_steps=0"])
               for side in ("perfrun", "plain")}
     for side, got in counts.items():  # a forward, backward and AdamW step are hundreds of Python calls

@@ -50,6 +50,7 @@ def today(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any
         torch.set_num_threads(before)
 
 
+@pytest.mark.slow
 def test_an_earlier_perfruns_checkpoint_resumes_exactly(today: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
     """Steps 3 and 4 resumed from the old file equal an uninterrupted run's, bit for bit:
     weights, AdamW, the schedule, fp16's loss scale, dropout's generators and the data

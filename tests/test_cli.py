@@ -15,7 +15,7 @@ import pytest
 from perfrun.commands.dispatch import main as cli_main
 from perfrun.commands.tune import kept_logging
 
-from conftest import REPO, TINY_MODEL, run_cli
+from conftest import REPO, TINY_MODEL, launch, run_cli
 
 
 def summaries(root: Path) -> list[dict]:
@@ -41,19 +41,29 @@ def test_train_is_a_hydra_app(tmp_path: Path) -> None:
     groups = h.stdout.split("== Configuration groups ==")[1].split("== Config ==")[0]
     assert "logger: mlflow, none, tensorboard, wandb" in groups and "sweep: ablation" in groups
     assert "ablation:" not in groups  # the presets +sweep=ablation picks are not offered
-    a = run_cli("train", "--cfg", "hydra", "+sweep=ablation", cwd=tmp_path)
-    assert a.returncode == 0 and "naive,naive_seed,tf32,bf16" in a.stdout  # and still work
-    c = run_cli("train", "--cfg", "job", "precision=bf16", "compile=true", cwd=tmp_path)
-    assert c.returncode == 0 and "dtype: bfloat16" in c.stdout and "compile: true" in c.stdout
-    i = run_cli("train", "--info", cwd=tmp_path)
-    assert i.returncode == 0 and "Config search path" in i.stdout
-    assert not (tmp_path / "outputs").exists()  # --help/--cfg/--info do no work
+    assert not (tmp_path / "outputs").exists()  # --help does no work
 
 
+def test_hydras_own_flags_answer_without_a_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """--cfg and --info, in this process (the process is test_train_is_a_hydra_app's point)."""
+    monkeypatch.chdir(tmp_path)
+    assert cli_main(["train", "--cfg", "hydra", "+sweep=ablation"]) == 0
+    assert "naive,naive_seed,tf32,bf16" in capsys.readouterr().out  # the presets not offered still work
+    assert cli_main(["train", "--cfg", "job", "precision=bf16", "compile=true"]) == 0
+    out = capsys.readouterr().out
+    assert "dtype: bfloat16" in out and "compile: true" in out
+    assert cli_main(["train", "--info"]) == 0
+    assert "Config search path" in capsys.readouterr().out
+    assert not (tmp_path / "outputs").exists()  # --cfg/--info do no work
+
+
+@pytest.mark.slow
 def test_help_is_the_text_hydra_prints_and_a_bad_override_one_line(capsys: pytest.CaptureFixture[str]) -> None:
-    """perfrun fills in only the placeholders its help templates use (Hydra lists every config
+    """perfrun fills in only the placeholder its help templates use (Hydra lists every config
     group whether a template shows them or not); Hydra's own --help, which perfrun leaves
-    to Hydra where --config-dir is given, prints the same text."""
+    to Hydra where --config-dir is given, prints the same text. An override that does not
+    compose is one line instead of Hydra's page."""
     assert cli_main(["generate", "--help"]) == 0
     ours = capsys.readouterr().out
     assert cli_main(["generate", "--help", "--config-dir", str(REPO / "conf")]) == 0
@@ -86,9 +96,13 @@ def test_shell_completion_through_the_subcommand(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("line", "expected"), [("perfrun generate max_n", ["max_new_tokens="]),
                                                  ("perfrun prepare tok", ["tokenizer="]),
                                                  ("perfrun tune tune.st", ["tune.start=", "tune.steps="])])
-def test_shell_completion_of_the_other_hydra_commands(tmp_path: Path, line: str, expected: list[str]) -> None:
-    q = run_cli("-sc", "query=bash", cwd=tmp_path, env={"COMP_LINE": line, "COMP_POINT": str(len(line))})
-    assert q.returncode == 0 and sorted(q.stdout.split()) == expected
+def test_shell_completion_of_the_other_hydra_commands(line: str, expected: list[str], monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """In this process (test_shell_completion_through_the_subcommand runs the real one)."""
+    monkeypatch.setenv("COMP_LINE", line)
+    monkeypatch.setenv("COMP_POINT", str(len(line)))
+    assert cli_main(["-sc", "query=bash"]) == 0
+    assert sorted(capsys.readouterr().out.split()) == expected
 
 
 def test_plain_run_writes_its_run_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -108,6 +122,7 @@ def test_plain_run_writes_its_run_dir(tmp_path: Path, monkeypatch: pytest.Monkey
     assert "step 50/50" in out and "tok/s" in out  # plain lines when not a terminal
 
 
+@pytest.mark.slow
 def test_train_json_prints_the_summary_on_stdout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                  capfd: pytest.CaptureFixture[str]) -> None:
     monkeypatch.chdir(tmp_path)  # in this process, file descriptors captured
@@ -123,6 +138,7 @@ def test_train_json_prints_the_summary_on_stdout(tmp_path: Path, monkeypatch: py
     assert [j["config"]["seed"] for j in jobs] == [1, 2] and [j["status"] for j in jobs] == ["completed"] * 2
 
 
+@pytest.mark.slow
 def test_gpt2_with_checkpointing_and_accumulation(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                   one_thread: None) -> None:
     """The issue's command verbatim, with gpt2 cut to 3 of its 12 blocks to stay fast (in
@@ -136,15 +152,19 @@ def test_gpt2_with_checkpointing_and_accumulation(tmp_path: Path, monkeypatch: p
     assert s["config"]["model"]["n_embd"] == 768 and s["config"]["model"]["block_size"] == 1024
 
 
-def test_multirun_sweep_and_clean_state_between_jobs(tmp_path: Path) -> None:
-    """One sweep as a user runs it: its jobs, their clean state, and Hydra's lines in our style."""
-    r = run_cli("train", "-m", "dataloader.batch_size=2,4", "dataloader.num_workers=0,2", "cudnn_benchmark=true",
-                *TINY_MODEL, "max_steps=6", "eval_batches=2", "log_every=3", "device=cpu", "progress=off", "monitor.every_n_steps=0",
-                cwd=tmp_path)
-    assert r.returncode == 0, r.stderr
-    lines = r.stdout.splitlines()  # Hydra's own lines share our timestamp style
+@pytest.mark.slow
+def test_multirun_sweep_and_clean_state_between_jobs(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """One sweep as a user types it (its launcher in this process): its jobs, their clean
+    state, and Hydra's lines in our style."""
+    with kept_logging():  # a sweep's Hydra app configures the root logger
+        code = launch("train", "-m", "dataloader.batch_size=2,4", "dataloader.num_workers=0,2", "cudnn_benchmark=true",
+                      *TINY_MODEL, "max_steps=6", "eval_batches=2", "log_every=3", "device=cpu", "progress=off",
+                      "monitor.every_n_steps=0", cwd=tmp_path)
+    out, err = capfd.readouterr()
+    assert code == 0, err
+    lines = out.splitlines()  # Hydra's own lines share our timestamp style
     hydra = [line for line in lines if "Launching 4 jobs locally" in line or " : " in line]
-    assert len(hydra) == 5 and all(re.match(r"^\d\d:\d\d:\d\d\s", line) for line in hydra), r.stdout
+    assert len(hydra) == 5 and all(re.match(r"^\d\d:\d\d:\d\d\s", line) for line in hydra), out
     assert not any("[HYDRA]" in line for line in lines)
     jobs = summaries(tmp_path / "outputs")
     assert len(jobs) == 4 and all(j["status"] == "completed" for j in jobs)
@@ -174,6 +194,7 @@ def test_bad_input_in_a_real_process(tmp_path: Path, args: list[str], rc: int, w
     assert "Traceback" not in r.stderr + r.stdout
 
 
+@pytest.mark.slow
 def test_wheel_ships_the_config_and_runs_from_anywhere(tmp_path: Path) -> None:
     """A plain (non-editable) install carries conf/ inside the package."""
     wheels = tmp_path / "wheels"

@@ -95,9 +95,13 @@ def test_a_piped_run_prints_timed_lines_that_fit_and_says_where_its_files_are(
     import rich
 
     monkeypatch.setenv("COLUMNS", "80")
-    monkeypatch.setattr(rich, "_console", None)
-    with kept_logging():
-        code = launch("train", *TINY, "progress=auto", "monitor.every_n_steps=5", cwd=tmp_path)
+    rich.reconfigure()  # a console made from this environment, as a new process makes it (rich's public call)
+    try:
+        with kept_logging():
+            code = launch("train", *TINY, "progress=auto", "monitor.every_n_steps=5", cwd=tmp_path)
+    finally:
+        monkeypatch.undo()  # the environment as it was, and the console made from it
+        rich.reconfigure()
     r = capfd.readouterr()
     assert code == 0, r.err
     lines = r.out.splitlines()
@@ -113,6 +117,7 @@ def test_a_piped_run_prints_timed_lines_that_fit_and_says_where_its_files_are(
     assert len(monitor) == TINY_STEPS // 5
 
 
+@pytest.mark.slow
 def test_on_an_80_column_terminal_each_log_point_is_one_line(tmp_path: Path) -> None:
     """A real pseudo-terminal 80 columns wide: rich draws the progress bar, and every step
     line stays on one line (rich would wrap a longer one under its time column)."""

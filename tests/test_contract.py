@@ -124,6 +124,7 @@ def test_a_refused_knob_in_a_plain_run_is_one_line_and_exit_2(tmp_path: Path, ca
     assert len(err) == 1 and "checkpointing=full needs `blocks`" in err[0] and "Traceback" not in out + stderr
 
 
+@pytest.mark.slow
 def test_a_ladders_calibration_runs_each_rung_as_its_job_will_on_this_model() -> None:
     """The time estimate calibrates a rung kind with what the model cannot take turned off, as
     the rung's job runs (the top rung's loss=chunked here: no lm_head), and passes over a rung

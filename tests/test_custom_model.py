@@ -51,6 +51,7 @@ def test_the_example_classifier_trains_with_counted_flops(tmp_path: Path, one_th
     assert json.loads((tmp_path / "summary.json").read_text())["knob_fits"] == s["knob_fits"]
 
 
+@pytest.mark.slow
 def test_the_example_laddered_skips_what_cannot_act(tmp_path: Path, one_thread: None) -> None:
     """A few rungs for test time (the top rungs compile, minutes on a CPU): the baseline runs,
     attention and the chunked loss are skipped with the piece they miss, checkpointing acts on

@@ -20,6 +20,8 @@ from perfrun.config import ConfigError, DataConfig, DataLoaderConfig
 from perfrun.data import build_datasets, build_loader
 from perfrun.data import pysource as P
 
+from conftest import fill, small_disk
+
 # --------------------------------------------------------------------------- helpers
 
 
@@ -330,6 +332,7 @@ def test_build_loader_options(arange_bin: Path) -> None:
     assert torch.equal(torch.rand(1), expected)
 
 
+@pytest.mark.slow
 def test_memmap_dataset_pickles_without_its_array_and_works_in_spawn(arange_bin: Path) -> None:
     b = build_datasets(DataConfig(name="memmap", path=str(arange_bin), vocab_size=2000), 8, 0)
     first = b.train[3]  # opens the memmap in this process
@@ -418,23 +421,18 @@ def test_the_interpreters_own_stdlib_is_listed_once_and_any_other_folder_each_ti
     assert [r for r, _ in P.pysource_files(lib)] == ["a.py", "b.py"] and listed == [own, lib, lib]
 
 
-def test_pysource_failed_write_leaves_no_cache(
-    fake_stdlib: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    cache = tmp_path / "cache"
-    cfg = DataConfig(cache_dir=str(cache), val_fraction=0.5)
-
-    def disk_full(fd: int) -> None:
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(P.os, "fsync", disk_full)
-    with pytest.raises(ConfigError, match="No space left on device"):
-        build_datasets(cfg, 8, 0)
-    leftovers = [p for p in cache.rglob("*") if p.is_file()]
-    assert leftovers == []
-    monkeypatch.undo()
-    monkeypatch.setattr(P, "stdlib_dir", lambda: fake_stdlib)
-    assert "built" in build_datasets(cfg, 8, 0).description
+def test_pysource_failed_write_leaves_no_cache(fake_stdlib: Path, tmp_path: Path) -> None:
+    """A cache on a real disk that is full: refused with the reason, nothing left behind;
+    built once there is room."""
+    with small_disk(tmp_path / "cache", "64k") as cache:
+        fill(cache)
+        cfg = DataConfig(cache_dir=str(cache), val_fraction=0.5)
+        with pytest.raises(ConfigError, match="No space left on device"):
+            build_datasets(cfg, 8, 0)
+        leftovers = [p for p in cache.rglob("*") if p.is_file() and p.name != ".filler"]
+        assert leftovers == []
+        (cache / ".filler").unlink()
+        assert "built" in build_datasets(cfg, 8, 0).description
 
 
 def test_pysource_real_cache_is_built_once_and_decodes_to_source(
@@ -496,33 +494,22 @@ def test_a_token_beyond_the_vocabulary_late_in_the_file_is_refused_before_step_1
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "failed"
 
 
-def test_the_whole_file_check_runs_once_per_version_of_the_file(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from perfrun.data import memmap as M
-
+def test_the_whole_file_check_runs_once_per_version_of_the_file(tmp_path: Path) -> None:
     path = tmp_path / "tokens.bin"
     np.arange(2000, dtype=np.uint16).tofile(path)
     cfg = DataConfig(name="memmap", path=str(path), vocab_size=2000, cache_dir=str(tmp_path / "cache"))
-    scans: list[str] = []
-    real = np.memmap
-
-    def counted(filename, *args, **kwargs):
-        scans.append(str(filename))
-        return real(filename, *args, **kwargs)
-
-    monkeypatch.setattr(M.np, "memmap", counted)
     build_datasets(cfg, 8, 0)
-    build_datasets(cfg, 16, 0)  # the same file: the cached verdict, no second read
-    assert scans == [str(path)]
+    build_datasets(cfg, 16, 0)
     assert len(list((tmp_path / "cache" / "largest-token").glob("*.json"))) == 1
+    before = path.stat()
     tokens = np.arange(2000, dtype=np.uint16)
     tokens[1500] = 2500
-    tokens.tofile(path)  # rewritten in place, same size: read again, and refused
-    os.utime(path, ns=(time.time_ns(), time.time_ns() + 1_000_000))
+    tokens.tofile(path)  # rewritten in place, same size
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))  # the same version of the file, as far as it can tell
+    build_datasets(cfg, 8, 0)  # the cached verdict: the file is not read again (a scan would refuse 2500)
+    os.utime(path, ns=(time.time_ns(), before.st_mtime_ns + 1_000_000))  # a newer version: read again, and refused
     with pytest.raises(ConfigError, match="holds token id 2500"):
         build_datasets(cfg, 8, 0)
-    assert scans == [str(path)] * 2
 
 
 # --------------------------------------------------------------------------- folders from perfrun prepare

@@ -41,6 +41,7 @@ def _close(estimated: dict[str, float], measured: dict[str, float], merge_temp: 
         assert abs(e[c] - m[c]) <= max(0.02 * m[c], 2**16), (c, e[c], m[c])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides", [
     [],
     ["checkpointing=full"],
@@ -130,6 +131,7 @@ def test_fsdp_over_a_fake_process_group_shards_the_optimizer_state() -> None:
     assert not torch.distributed.is_initialized()  # the fake group is gone
 
 
+@pytest.mark.slow
 def test_the_largest_batch_fits_and_one_more_does_not() -> None:
     cfg = make_cfg(*SMALL)
     at = functools.cache(lambda b: estimate(cfg, VOCAB, batch_size=b, top=0).peak_bytes)  # each batch estimated once
@@ -191,6 +193,7 @@ def test_memory_sizes_are_parsed_or_refused() -> None:
         parse_size("80XB")
 
 
+@pytest.mark.slow
 def test_the_command_prints_an_estimate_and_the_knob_that_would_fit(capsys: pytest.CaptureFixture[str],
                                                                      tmp_path: Path) -> None:
     words = [*SMALL, *TINY_MODEL, "model.n_layer=1", "dataloader.batch_size=8"]
@@ -219,6 +222,7 @@ def test_a_memory_size_that_is_no_size_is_refused_before_any_work(capsys: pytest
     assert "memory.size=lots is not a memory size" in err and "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_the_train_log_says_the_estimate_and_warns_before_step_1(caplog: pytest.LogCaptureFixture) -> None:
     """On a GPU a configuration that will not fit is warned (an out-of-memory error there is
     caught and explained); on the CPU it is refused (the kernel ends such a process with no

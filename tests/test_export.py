@@ -27,6 +27,7 @@ def ckpt(text_checkpoint: Path) -> Path:
     return text_checkpoint
 
 
+@pytest.mark.slow
 def test_onnx_export_has_dynamic_axes_and_matches_pytorch(ckpt: Path, tmp_path: Path,
                                                           capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("onnxscript")
@@ -45,13 +46,13 @@ def test_onnx_export_has_dynamic_axes_and_matches_pytorch(ckpt: Path, tmp_path: 
     assert got.shape == ref.shape and abs(got - ref).max() <= ONNX_ATOL
 
 
+@pytest.mark.slow
 def test_onnx_mismatch_writes_nothing_and_exits_1(ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                   capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("onnxscript")
     pytest.importorskip("onnxruntime")
     out = tmp_path / "m.onnx"
     out.write_bytes(b"the previous good export")
-    monkeypatch.setattr(torch.onnx, "export", lambda *a, **k: Path(a[2]).write_bytes(b"half"))
     monkeypatch.setattr(onnx_export, "verify_onnx", lambda *a, **k: onnx_export.OnnxCheck(0.5, ONNX_ATOL, [(1, 1)]))
     assert cli_main(["export", f"checkpoint={ckpt}", "format=onnx", f"out={out}"]) == 1
     assert "differ from PyTorch's by up to 0.5" in capsys.readouterr().err
@@ -94,6 +95,7 @@ def test_safetensors_round_trip_in_the_hugging_face_layout(ckpt: Path, tmp_path:
     assert not [p for p in out.iterdir() if p.name.startswith(".")]
 
 
+@pytest.mark.slow
 def test_transformers_loads_the_export(ckpt: Path, tmp_path: Path) -> None:
     pytest.importorskip("safetensors")
     transformers = pytest.importorskip("transformers")

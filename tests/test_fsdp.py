@@ -9,7 +9,6 @@ of one over gloo) where they can.
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import os
@@ -58,6 +57,7 @@ def fsdp_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return run_dir
 
 
+@pytest.mark.slow
 def test_two_fsdp_ranks_match_one_process(fsdp_dir: Path, one_process_run: tuple[Path, dict[str, Any]]) -> None:
     s = json.loads((fsdp_dir / "summary.json").read_text())
     assert s["status"] == "completed" and s["world_size"] == 2 and s["knobs"]["distributed"] == "fsdp"
@@ -71,6 +71,7 @@ def test_two_fsdp_ranks_match_one_process(fsdp_dir: Path, one_process_run: tuple
     assert all(abs(a[k] - b[k]) <= TOL * abs(a[k]) for k in a), (a, b)
 
 
+@pytest.mark.slow
 def test_every_rank_writes_its_shards_into_one_folder(fsdp_dir: Path) -> None:
     ckpts = checkpoint_files.list_checkpoints(fsdp_dir / "checkpoints")
     assert [c.name for c in ckpts] == ["step_0000003", "step_0000006"]
@@ -83,6 +84,7 @@ def test_every_rank_writes_its_shards_into_one_folder(fsdp_dir: Path) -> None:
     assert not list(fsdp_dir.rglob("*.partial"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["fsdp", "none"])
 def test_resume_on_one_process_continues_with_the_same_global_batch(
         fsdp_dir: Path, tmp_path: Path, mode: str, caplog: pytest.LogCaptureFixture) -> None:
@@ -97,6 +99,7 @@ def test_resume_on_one_process_continues_with_the_same_global_batch(
     assert all(abs(a[k] - b[k]) <= TOL * abs(a[k]) for k in b), (a, b)
 
 
+@pytest.mark.slow
 def test_the_same_global_batch_split_another_way_warns(
         fsdp_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """2 ranks x 2 x 2 micro-steps, resumed as 1 x 8 x 1: the same 8 sequences per step."""
@@ -107,6 +110,7 @@ def test_the_same_global_batch_split_another_way_warns(
     assert "the same global batch split another way" in caplog.text and "instead of 4" in caplog.text
 
 
+@pytest.mark.slow
 def test_unreadable_shards_are_one_line(fsdp_dir: Path, tmp_path: Path) -> None:
     ckpt = tmp_path / "step_0000003"
     shutil.copytree(fsdp_dir / "checkpoints" / "step_0000003", ckpt)
@@ -126,6 +130,7 @@ def test_a_failed_sharded_save_is_one_line_and_keeps_nothing_half_done(tmp_path:
     assert checkpoint_files.list_checkpoints(tmp_path) == []
 
 
+@pytest.mark.slow
 def test_a_different_global_batch_is_refused(fsdp_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"global batch of 8 sequences per step .* set dataloader.batch_size=4"):
         run(make_cfg(*COMMON, "distributed=fsdp", "dataloader.batch_size=2",
@@ -139,6 +144,7 @@ def test_fsdp_refuses_a_single_file_checkpoint(tmp_path: Path) -> None:
         run(make_cfg(*COMMON, "distributed=fsdp", "dataloader.batch_size=4", f"resume={ckpt}"), tmp_path / "r")
 
 
+@pytest.mark.slow
 def test_a_save_cut_short_is_ignored_and_cleaned_up(fsdp_dir: Path, tmp_path: Path) -> None:
     ckpts = tmp_path / "checkpoints"
     shutil.copytree(fsdp_dir / "checkpoints", ckpts)
@@ -171,6 +177,7 @@ def test_a_step_in_both_layouts_resolves_to_the_newer(tmp_path: Path) -> None:
     assert checkpoint_files.list_checkpoints(tmp_path)[-1].name == "step_0000003.pt"
 
 
+@pytest.mark.slow
 def test_generate_and_export_read_a_sharded_checkpoint(
         fsdp_dir: Path, one_process_run: tuple[Path, dict[str, Any]]) -> None:
     sharded = load_model(fsdp_dir)  # a run folder: its newest checkpoint
@@ -189,6 +196,7 @@ def _trained_to(metrics: Path, step: int) -> bool:
     return any(r["kind"] == "train" and r["step"] >= step for r in map(json.loads, filter(None, lines)))
 
 
+@pytest.mark.slow
 def test_sigterm_stops_every_rank_at_one_step_and_the_same_ranks_resume_exactly(tmp_path: Path) -> None:
     """SIGTERM to ``perfrun train distributed=fsdp nproc=2`` (as a scheduler sends it): the
     launcher passes it to torchrun, which passes it to both ranks; they agree on one step,
@@ -335,19 +343,20 @@ def test_reshard_and_prefetch_settings_change_what_fsdp_does(
     assert plan.notes["fsdp"]["reshard_last_block"] == ("fsdp.reshard_last_block=true" in overrides)
 
 
-def test_per_block_compile_keeps_fsdp_hooks_outside_the_graph(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.slow
+def test_per_block_compile_keeps_fsdp_hooks_outside_the_graph() -> None:
     """compile_options.scope=blocks under FSDP2: every sharded block's forward is compiled
     whole (fullgraph: a hook inside would break the graph and fail), FSDP2's hooks stay on the
     module, and loss and gradients equal the eager sharded model's. aot_eager instead of
     inductor: the question is where dynamo's graph ends, not which kernels inductor writes."""
-    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
     x, y = TOKENS[:, :-1], TOKENS[:, 1:]
     results = []
     for compiled in (False, True):
         torch._dynamo.reset()
         with ExitStack() as stack:
             model, plan = sharded(stack, f"compile={str(compiled).lower()}", "compile_options.scope=blocks",
-                                  "compile_options.fullgraph=true", "fsdp.forward_prefetch=1", "fsdp.backward_prefetch=1")
+                                  "compile_options.fullgraph=true", "compile_options.backend=aot_eager",
+                                  "fsdp.forward_prefetch=1", "fsdp.backward_prefetch=1")
             for block in model.blocks:
                 assert isinstance(block, FSDPModule) and block._forward_pre_hooks and block._forward_hooks
                 assert hasattr(block.__dict__.get("forward"), "_torchdynamo_orig_callable") == compiled

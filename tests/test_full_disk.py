@@ -3,8 +3,6 @@ configuration. A real, small tmpfs filled to the brim (skipped where mounting is
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,28 +10,14 @@ import pytest
 
 from perfrun.commands.train import train_main
 
-from conftest import TINY
+from conftest import TINY, fill, small_disk
 
 
 @pytest.fixture
 def full_disk(tmp_path: Path) -> Iterator[Path]:
-    mount = tmp_path / "small"
-    mount.mkdir()
-    if shutil.which("mount") is None:
-        pytest.skip("no mount command here")
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)], capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"mounting a tmpfs is not permitted here ({done.stderr.decode().strip()})")
-    try:
-        with (mount / "filler").open("wb") as f:
-            try:
-                f.write(bytes(128 * 1024))
-                f.flush()
-            except OSError:
-                pass  # full: what this fixture is for
+    with small_disk(tmp_path / "small", "64k") as mount:
+        fill(mount)
         yield mount
-    finally:
-        subprocess.run(["umount", str(mount)], check=True)
 
 
 def test_a_run_dir_on_a_full_disk_is_one_line(full_disk: Path, capfd: pytest.CaptureFixture[str]) -> None:

@@ -275,6 +275,7 @@ def _greedy(ckpt: Path, prompts: list[list[int]], n: int, *, batch: int, cache: 
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("one_cxx_build_per_graph")
 def test_greedy_tokens_are_identical_on_every_path(sharp_ckpt: Path) -> None:
     """Uncached, cached and compiled; alone and in a batch of prompts of other lengths; past
@@ -340,6 +341,7 @@ def test_prompts_file_prints_one_json_line_per_prompt_as_each_prompt_alone(sharp
         assert capsys.readouterr().out == row["prompt"] + row["completion"] + "\n"
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("one_cxx_build_per_graph")
 def test_compile_from_the_cli_reports_its_time_apart_and_gives_the_same_text(sharp_ckpt: Path,
                                                                             capsys: pytest.CaptureFixture[str]) -> None:
@@ -356,6 +358,7 @@ def test_compile_from_the_cli_reports_its_time_apart_and_gives_the_same_text(sha
     assert "compile and warm-up" not in eager.err
 
 
+@pytest.mark.slow
 def test_help_lists_every_key_with_its_help(capsys: pytest.CaptureFixture[str]) -> None:
     from perfrun.commands.export import ExportConfig
     from perfrun.commands.generate import GenerateConfig

@@ -13,7 +13,6 @@ import os
 import re
 import shlex
 import subprocess
-import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -76,6 +75,7 @@ def validated(dry_run_all: subprocess.CompletedProcess) -> set[tuple[str, ...]]:
     return trains
 
 
+@pytest.mark.slow
 def test_dry_run_prints_every_suite_runs_nothing_and_its_overrides_compose(
         dry_run_all: subprocess.CompletedProcess, validated: set[tuple[str, ...]]) -> None:
     res = dry_run_all
@@ -128,6 +128,7 @@ SMOKE_PATHS = [  # (what the row must run, a regular expression its printed comm
 ]
 
 
+@pytest.mark.slow
 def test_smoke_dry_run_runs_every_cuda_path_and_each_composes(
         validated: set[tuple[str, ...]], capsys: pytest.CaptureFixture[str]) -> None:
     res = dry_run("smoke")
@@ -152,6 +153,7 @@ def test_smoke_dry_run_runs_every_cuda_path_and_each_composes(
     assert trains and {tuple(overrides(ln)) for ln in trains} <= validated  # each composed and checked
 
 
+@pytest.mark.slow
 def test_smoke_writes_its_table_row_by_row_under_the_machine_and_versions(tmp_path: Path) -> None:
     """A spent budget: every row is written, as skipped with the reason, and nothing is run;
     the digest starts with the machine, the versions and the commit."""
@@ -171,6 +173,7 @@ def test_smoke_writes_its_table_row_by_row_under_the_machine_and_versions(tmp_pa
     assert not list(tmp_path.glob("smoke_*.log"))  # nothing ran
 
 
+@pytest.mark.slow
 def test_torch_api_probe_reads_perfrun_and_names_what_is_missing(tmp_path: Path) -> None:
     probe = script("torch_api_probe")
     used = probe.used_names()
@@ -266,6 +269,7 @@ def test_loss_parity_compares_the_tail_of_two_runs(tmp_path: Path, capsys: pytes
     assert "no train losses" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_starvation_benchmark_runs_its_four_cases_on_the_cpu(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """The script's main in this process (its jobs run in-process anyway; the slow case's
@@ -276,11 +280,10 @@ def test_starvation_benchmark_runs_its_four_cases_on_the_cpu(
     np.arange(1024, dtype=np.uint16).__mod__(256).astype(np.uint16).tofile(mm / "val.bin")
     (mm / "meta.json").write_text(json.dumps({"vocab_size": 256, "dtype": "uint16", "tokenizer": "byte"}))
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "argv", [
-        "bench_starvation.py", "--memmap", str(mm), "--steps", "2", "--warmup", "0", "--sleep-ms", "20",
+    assert script("bench_starvation").main([
+        "--memmap", str(mm), "--steps", "2", "--warmup", "0", "--sleep-ms", "20",
         "--out", str(tmp_path / "runs"), "--json", str(tmp_path / "s.json"), "device=cpu",
-        "model.n_layer=1", "model.n_head=2", "model.n_embd=16", "model.block_size=16", "dataloader.batch_size=2"])
-    assert script("bench_starvation").main() == 0
+        "model.n_layer=1", "model.n_head=2", "model.n_embd=16", "model.block_size=16", "dataloader.batch_size=2"]) == 0
     stdout = capsys.readouterr().out
     cases = json.loads((tmp_path / "s.json").read_text())["cases"]
     assert list(cases) == ["synthetic", "memmap", "slow, 0 workers", "slow, 2 workers"]
@@ -307,9 +310,8 @@ def test_speed_benchmark_names_a_failing_variant_and_keeps_the_others(
     out = tmp_path / "speed.json"
     base = ["device=cpu", "model.n_layer=1", "model.n_head=2", "model.n_embd=16", "model.block_size=16",
             "dataloader.batch_size=2"]
-    monkeypatch.setattr(sys, "argv", ["bench_speed.py", "--steps", "3", "--warmup", "1", "--repeats", "2",
-                                      "--variants", "perfrun,loss=chunked,precision=fp8", "--json", str(out), *base])
-    assert bench.main() == 0
+    assert bench.main(["--steps", "3", "--warmup", "1", "--repeats", "2",
+                       "--variants", "perfrun,loss=chunked,precision=fp8", "--json", str(out), *base]) == 0
     result = json.loads(out.read_text())
     assert list(result["table"]) == ["plain (nanoGPT recipe)", "perfrun"]
     assert all(t["repeats"] == 2 and t["spread_pct"] >= 0 for t in result["table"].values())
@@ -318,5 +320,4 @@ def test_speed_benchmark_names_a_failing_variant_and_keeps_the_others(
     shown = capsys.readouterr().out
     assert "failed loss=chunked (repeat 0): RuntimeError: planted failure" in shown
     assert "skipped loss=chunked: failed: RuntimeError" in shown and re.search(r"^perfrun +[\d,]+ +±", shown, re.M)
-    monkeypatch.setattr(sys, "argv", ["bench_speed.py", "--variants", "perfrun,fp9", *base])
-    assert bench.main() == 2 and "no variant 'fp9'" in capsys.readouterr().err
+    assert bench.main(["--variants", "perfrun,fp9", *base]) == 2 and "no variant 'fp9'" in capsys.readouterr().err

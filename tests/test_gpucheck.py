@@ -374,6 +374,7 @@ def test_bad_device_argument(capsys):
 # --- for real, on this machine ----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_gpu_check_quick_json_for_real(tmp_path):
     proc = run_cli("--quick", "--json", cwd=tmp_path, env={"PERFRUN_CACHE": str(tmp_path / "cache")}, timeout=120,
                    module="perfrun.gpucheck")

@@ -1,5 +1,6 @@
-"""The C heap a CPU run allocates from keeps what a step freed (perfrun/loop/host_heap.py):
-pages counted, in fresh processes, with and without the thresholds fixed."""
+"""The C heap a CPU run allocates from keeps what a step freed with ``runtime.malloc=fixed``
+(perfrun/loop/host_heap.py), and gives it back again after the job: pages counted in a
+fresh process, with the system's thresholds, with them fixed, and after the job."""
 
 from __future__ import annotations
 
@@ -15,12 +16,14 @@ from perfrun.loop import host_heap
 
 # Tensors of 1 to 31 MiB, each filled and freed in turn, as a step's activations come and go;
 # with glibc's thresholds as a fresh process has them, each new size is a fresh mapping
-# faulted in page by page; with them fixed, the heap grows once and is reused. One fresh
-# process counts both, the system's thresholds first: fixing them cannot be undone, and
-# the first pass leaves no heap behind to reuse (each of its tensors was a mapping of its own).
+# faulted in page by page; with them fixed, the heap grows once and is reused; after the
+# job, glibc's starting values are back and each size is a fresh mapping again. One fresh
+# process counts all three, the system's thresholds first: the first pass leaves no heap
+# behind to reuse (each of its tensors was a mapping of its own).
 GROWING_TENSORS = """
 import json, resource, torch
-from perfrun.loop.host_heap import keep_freed_memory
+from perfrun.config import RuntimeConfig
+from perfrun.loop.runtime import fixed_heap
 
 def faults():
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -31,8 +34,9 @@ def faults():
 
 torch.empty(1).fill_(0)  # torch's own first allocations, outside the count
 system = faults()
-done = keep_freed_memory()
-print(json.dumps({"system": system, "fixed": faults(), "done": done}))
+with fixed_heap(RuntimeConfig(malloc="fixed"), "cpu") as done:
+    fixed = faults()
+print(json.dumps({"system": system, "fixed": fixed, "after": faults(), "done": done["heap"]}))
 """
 
 glibc = pytest.mark.skipif(sys.platform != "linux" or "libc" not in (ctypes.util.find_library("c") or ""),
@@ -46,8 +50,9 @@ def _faults() -> dict[str, Any]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @glibc
-def test_fixed_thresholds_fault_in_the_heap_once():
+def test_fixed_thresholds_fault_in_the_heap_once_and_are_undone_after_the_job():
     counted = _faults()
     done = counted["done"]
     assert done["set"] is True and done["allocator"].startswith("glibc")
@@ -56,6 +61,7 @@ def test_fixed_thresholds_fault_in_the_heap_once():
     # (counted on a Xeon with glibc 2.36: 127,015 and 11,764 to 22,516 in eight processes)
     assert counted["system"] > 60_000, counted
     assert counted["fixed"] < counted["system"] / 4, counted
+    assert counted["after"] > 4 * counted["fixed"], counted  # the job's thresholds are not the process's after it
 
 
 @pytest.mark.parametrize(("env", "why"), [
@@ -67,12 +73,5 @@ def test_the_users_allocator_choice_is_left_alone(monkeypatch, env, why):
         monkeypatch.delenv(k, raising=False)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    done = host_heap._fix_thresholds()
+    done = host_heap.fix_thresholds()
     assert done["set"] is False and why in done["why"]
-
-
-def test_a_cpu_run_records_its_heap(one_process_run):
-    _, summary = one_process_run
-    heap = summary["host_heap"]
-    assert heap is not None and isinstance(heap["set"], bool)
-    assert heap == host_heap.keep_freed_memory()  # once per process: every later run reports the same

@@ -252,3 +252,11 @@ def test_the_suites_slow_first_list_names_its_test_files() -> None:
 
     tests = Path(__file__).resolve().parent
     assert [n for n in SLOW_FIRST if not (tests / n).is_file()] == [] and len(set(SLOW_FIRST)) == len(SLOW_FIRST)
+
+
+def test_no_private_hydra_module_is_used() -> None:
+    """perfrun enters Hydra through its public API (hydra.main, compose, the override parser,
+    its plugin and callback interfaces): a private module of Hydra's may change in any release."""
+    used = sorted(f"{name}: {line.strip()}" for name, path in _modules().items()
+                  for line in path.read_text().splitlines() if "hydra._internal" in line)
+    assert used == []

@@ -248,6 +248,7 @@ def test_gpu_starvation_from_a_hand_built_timeline() -> None:
     assert contention.gpu_starved_pct([], []) is None
 
 
+@pytest.mark.slow
 def test_loss_parity_calibrated_by_seeds_flags_a_10x_learning_rate_not_bf16(tmp_path: Path, one_thread: None) -> None:
     from perfrun.loop.run import run
 

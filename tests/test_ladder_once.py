@@ -28,6 +28,7 @@ def restore_logging() -> Iterator[None]:
         yield
 
 
+@pytest.mark.slow
 def test_repeat_0_takes_the_memory_breakdown_and_the_batch_search(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, restore_logging: None) -> None:
     monkeypatch.chdir(tmp_path)

@@ -69,6 +69,7 @@ def tokens(n: int = 40) -> torch.Tensor:
     return torch.randint(0, 256, (2, n), generator=torch.Generator().manual_seed(1))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tied", [True, False])
 def test_logits_equal_transformers_llama_from_its_own_folder(tmp_path: Path, tied: bool) -> None:
     transformers = pytest.importorskip("transformers")
@@ -83,6 +84,7 @@ def test_logits_equal_transformers_llama_from_its_own_folder(tmp_path: Path, tie
     assert (ours.lm_head.weight is ours.wte.weight) == tied
 
 
+@pytest.mark.slow
 def test_a_folder_in_transformers_4s_keys_loads_the_same(tmp_path: Path) -> None:
     """transformers before 5 kept theta as ``rope_theta`` and the scaling as ``rope_scaling``."""
     folder = hf_folder(tmp_path / "v5", tied=True)
@@ -262,6 +264,7 @@ def test_a_tiny_llama_trains_with_bf16_checkpointing_and_chunked_loss(trained: P
     assert all(abs(got[k] - fp32[k]) < 0.02 * fp32[k] for k in range(1, 6)), (got, fp32)
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("one_cxx_build_per_graph")
 def test_a_tiny_llama_compiles_per_block_and_trains_as_eager(trained: Path, tmp_path: Path) -> None:
     s = run(make_cfg(*LLAMA, "max_steps=2", "log_every=1", "timing_warmup_steps=1", "compile=true",

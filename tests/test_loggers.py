@@ -88,6 +88,7 @@ def items(update: Any) -> dict[str, Any]:
     return {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in update}
 
 
+@pytest.mark.slow
 def test_wandb_offline_run_reads_back(tmp_path: Path, one_thread: None, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("WANDB_MODE", raising=False)
     run(make_cfg(*LOGGED, "logger=wandb", "logger.mode=offline"), tmp_path)
@@ -108,6 +109,7 @@ def test_wandb_offline_run_reads_back(tmp_path: Path, one_thread: None, monkeypa
     assert summary["summary/status"] == "completed"
 
 
+@pytest.mark.slow
 def test_mlflow_file_store_reads_back(tmp_path: Path, one_thread: None) -> None:
     from mlflow.tracking import MlflowClient
 
@@ -122,6 +124,7 @@ def test_mlflow_file_store_reads_back(tmp_path: Path, one_thread: None) -> None:
     assert found.data.metrics["summary/tokens_per_s_median"] == pytest.approx(written["tokens_per_s_median"])
 
 
+@pytest.mark.slow
 def test_a_sweeps_jobs_share_one_group(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """One MLflow experiment named after the sweep dir, one run per job, in the sweep's store;
     W&B runs under the same group."""

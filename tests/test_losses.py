@@ -102,6 +102,7 @@ def micro_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(t[:, :-1], t[:, 1:]) for t in tokens]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("compiled", [False, True])
 def test_tiny_gpt_tied_weight_and_accumulation_match_standard(compiled: bool) -> None:
     """Every parameter's gradient, the tied embedding/head included, over two micro-batches;

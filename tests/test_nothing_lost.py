@@ -51,6 +51,7 @@ def one_error_line(err: str) -> str:
 
 # -- 2. a finished result is never destroyed ----------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("refused", [
     ["resume=auto"],  # already at max_steps (also what follows a kill -9 after the run finished)
     ["optim.lr=nan"],  # any bad value given with that run dir
@@ -69,6 +70,7 @@ def test_a_refused_command_leaves_a_completed_run_as_it_was(tmp_path: Path, monk
     assert digest(tmp_path / "run") == before
 
 
+@pytest.mark.slow
 def test_a_resume_keeps_the_history_and_report_drops_redone_steps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     run = tmp_path / "run"
@@ -101,6 +103,7 @@ def test_report_drops_rows_past_the_step_a_resume_continues_from(tmp_path: Path)
 
 # -- 3. resume=auto continues the run you stopped -----------------------------------------------
 
+@pytest.mark.slow
 def test_resume_auto_from_a_new_run_dir_continues_the_run_of_this_configuration(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture) -> None:
     monkeypatch.chdir(tmp_path)
@@ -121,6 +124,7 @@ def test_resume_auto_from_a_new_run_dir_continues_the_run_of_this_configuration(
     assert json.loads(out)["resumed_from_step"] == 5 and json.loads(out)["steps"] == 7
 
 
+@pytest.mark.slow
 def test_resume_auto_refuses_when_several_runs_could_be_meant(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                              capfd: pytest.CaptureFixture) -> None:
     monkeypatch.chdir(tmp_path)
@@ -146,6 +150,7 @@ def test_resume_auto_with_no_run_of_this_configuration_starts_fresh(tmp_path: Pa
     assert summary(tmp_path / "outputs" / "fresh")["resumed_from"] is None
 
 
+@pytest.mark.slow
 def test_the_hint_printed_at_a_stop_continues_the_run_when_pasted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     p = start_train(tmp_path, *SMALL, "max_steps=100000")
     wait_for(lambda: any(f.stat().st_size > 0 for f in tmp_path.rglob("metrics.jsonl")))
@@ -166,6 +171,7 @@ def test_the_hint_printed_at_a_stop_continues_the_run_when_pasted(tmp_path: Path
     assert [h["status"] for h in s["history"]] == ["interrupted"]
 
 
+@pytest.mark.slow
 def test_resume_auto_in_a_sweep_continues_each_job_of_the_sweep_before(tmp_path: Path,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
@@ -282,6 +288,7 @@ def test_an_unexpected_error_ends_the_run_failed_with_its_reason(tmp_path: Path,
     assert "Traceback" in log and "def broken" not in log and "raise ValueError" in log
 
 
+@pytest.mark.slow
 def test_a_sweep_whose_job_dies_still_writes_its_summary(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                          capfd: pytest.CaptureFixture) -> None:
     import perfrun.loop.run as train_module

@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import sysconfig
 import time
 from pathlib import Path
@@ -20,11 +21,10 @@ from perfrun.commands.dispatch import main as cli_main
 from perfrun.config import ConfigError, DataConfig
 from perfrun.data import build_datasets
 from perfrun.data.tokenizers import load_tokenizer, train_bpe
-from perfrun.prepare import build
 from perfrun.prepare import corpus as prepare_corpus
-from perfrun.prepare.corpus import PIECE_BYTES, Settings, is_val
+from perfrun.prepare.corpus import PIECE_BYTES, is_val
 
-from conftest import child_env, perfrun_process, wait_for
+from conftest import child_env, perfrun_process
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 SOURCES = ["textwrap.py", "colorsys.py", "this.py", "bisect.py", "keyword.py", "fnmatch.py", "glob.py",
@@ -202,6 +202,7 @@ def _wait_for_tokens(tmp: Path, proc: subprocess.Popen) -> None:
         time.sleep(0.005)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT])
 def test_a_stopped_prepare_leaves_nothing_training_would_read(corpus: Path, bpe: Path, tmp_path: Path, sig: int) -> None:
     big = tmp_path / "big"
@@ -234,26 +235,39 @@ def test_help_lists_every_key(capsys: pytest.CaptureFixture) -> None:
     assert cli_main(["--help"]) == 0 and "prepare" in capsys.readouterr().out
 
 
-_POOL_WORKER = build._pool_worker
+# The pool's workers, forked from the pool's own thread, in a fresh process: forked from a test
+# process that has run torch's threads, a worker can crash as it starts, and the pool then
+# replaces crashed workers for ever.
+ENDED_BEFORE_IT_RAN = """
+import os, signal, time
+from perfrun.prepare import build
+from perfrun.prepare.corpus import Settings
 
+real = build._pool_worker
 
-def _late_worker(settings: Any) -> None:
-    """A worker that the machine has not run yet when the pool ends it."""
+def late_worker(settings):  # a worker that the machine has not run yet when the pool ends it
     time.sleep(1)
-    _POOL_WORKER(settings)
+    real(settings)
+
+build._pool_worker = late_worker
+settings = Settings(tokenizer="byte", dtype="uint8", val_fraction=0.1, by_document=True, text_field="text")
+with build.stop_on_signals(), build.worker_pool(settings, 2) as pool:
+    workers = list(pool._pool)
+    for w in workers:  # during their sleep: before they set their own handlers
+        os.kill(w.pid, signal.SIGTERM)
+    end = time.monotonic() + 120  # against a hang only: the pool's own thread reaps them too
+    while any(w.exitcode is None for w in workers) and time.monotonic() < end:
+        time.sleep(0.01)
+    print([w.exitcode for w in workers], pool.apply(len, ("abc",)))
+"""
 
 
-def test_a_worker_ended_before_it_ran_ends_and_the_pool_exits(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_worker_ended_before_it_ran_ends_and_the_pool_exits(tmp_path: Path) -> None:
     """The pool ends its workers once the work is done, on a busy machine before some have
     run: each still ends by SIGTERM (not by the parent's handler, which it holds until it
-    sets its own, nor never, which hung the pool's exit), and the pool exits."""
-    monkeypatch.setattr(build, "_pool_worker", _late_worker)
-    settings = Settings(tokenizer="byte", dtype="uint8", val_fraction=0.1, by_document=True, text_field="text")
-    with build.stop_on_signals(), build.worker_pool(settings, 2) as pool:
-        workers = list(pool._pool)
-        for w in workers:  # during their sleep: before they set their own handlers
-            os.kill(w.pid, signal.SIGTERM)
-        # the pool's own thread reaps them too, so their exit codes are read once it has
-        wait_for(lambda: all(w.exitcode is not None for w in workers))
-        assert [w.exitcode for w in workers] == [-signal.SIGTERM] * 2
-        assert pool.apply(len, ("abc",)) == 3  # the pool replaced them and works
+    sets its own, nor never, which hung the pool's exit), the pool replaces them and works,
+    and the process exits."""
+    done = subprocess.run([sys.executable, "-c", ENDED_BEFORE_IT_RAN], cwd=tmp_path, env=child_env(),
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[-2] == f"{[-signal.SIGTERM] * 2} 3"

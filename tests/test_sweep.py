@@ -32,6 +32,7 @@ QUICK = [*TINY_MODEL, "max_steps=6", "log_every=3", "eval_batches=1", "device=cp
          "monitor.every_n_steps=0", "timing_warmup_steps=1"]
 
 
+@pytest.mark.slow
 def test_sweep_with_a_bad_value_goes_on_and_report_reproduces_it(
     tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, restore_logging: None
 ) -> None:
@@ -101,6 +102,7 @@ def test_failed_jobs_are_read_from_the_sweep_folder(tmp_path: Path) -> None:
     assert failed_jobs(tmp_path / "nothing here") == [] and failed_jobs(tmp_path / "0") == []
 
 
+@pytest.mark.slow
 def test_ablation_jobs_save_no_checkpoints_and_say_so(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], restore_logging: None
 ) -> None:
@@ -119,6 +121,7 @@ def test_ablation_jobs_save_no_checkpoints_and_say_so(
     assert "verdict: perfrun train" in out  # the line to paste
 
 
+@pytest.mark.slow
 def test_out_of_memory_job_does_not_stop_the_sweep_nor_leak(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, restore_logging: None
 ) -> None:
@@ -162,6 +165,7 @@ def knobs(cfg) -> dict:  # noqa: ANN001
             "mode": cfg.compile_options.mode}
 
 
+@pytest.mark.slow
 def test_ablation_preset_composes_a_cumulative_ladder_leave_one_out_and_tradeoffs() -> None:
     register_configs()
     with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):

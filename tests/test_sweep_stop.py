@@ -25,6 +25,7 @@ def _trained(job: Path) -> bool:
     return any(json.loads(r).get("kind") == "train" for r in rows if r.strip())
 
 
+@pytest.mark.slow
 def test_sigterm_mid_sweep_keeps_the_finished_job_and_resume_runs_only_the_rest(
         tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     sweep = tmp_path / "sweep"

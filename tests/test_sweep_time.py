@@ -72,6 +72,7 @@ def test_eta_counts_jobs_and_scales_the_plan() -> None:
     assert sweep_plan.duration(3725) == "1h02m" and sweep_plan.duration(75) == "1m15s"
 
 
+@pytest.mark.slow
 def test_a_ladder_estimates_its_time_first_and_its_jobs_take_the_budgets(tmp_path: Path,
                                                                          capfd: pytest.CaptureFixture[str]) -> None:
     sweep = tmp_path / "ladder"
@@ -92,15 +93,15 @@ def test_a_ladder_estimates_its_time_first_and_its_jobs_take_the_budgets(tmp_pat
     assert (sweep / "sweep_summary.json").is_file()
 
 
-def test_a_slow_step_fills_its_budget_with_fewer_steady_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_slow_step_fills_its_budget_with_fewer_steady_steps() -> None:
     """TimeBudget on a clock that moves 1 s a step (a step so slow that 3 steady steps fill a
     2.5 s budget), and 0.01 s a step (the 10-step floor holds)."""
     from perfrun.loop import budget as budget_module
 
     for step_s, stops_after in ((1.0, 2 + 3), (0.01, 2 + MIN_STEADY_STEPS)):
         clock = [0.0]
-        monkeypatch.setattr(budget_module.time, "perf_counter", lambda clock=clock: clock[0])
-        b = budget_module.TimeBudget(0.001 if step_s < 1 else 2.5, warmup_steps=2, max_steps=100)
+        b = budget_module.TimeBudget(0.001 if step_s < 1 else 2.5, warmup_steps=2, max_steps=100,
+                                     clock=lambda clock=clock: clock[0])
         b.start(0)
         step = 0
         while True:

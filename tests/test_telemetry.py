@@ -26,6 +26,7 @@ from perfrun.telemetry.monitor import Monitor
 
 sys.path.insert(0, str(Path(__file__).parent))
 import fake_nvml  # noqa: E402
+from conftest import fill, small_disk  # noqa: E402
 from fake_nvml import FakeGpu, FakeNvml  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -290,14 +291,19 @@ def test_unsupported_field_is_none_with_one_warning_per_field(monkeypatch, caplo
     assert mon.summary(100)["energy_source"] == "power_samples_integrated"
 
 
-def test_power_integration_fallback_is_exact_for_constant_power(monkeypatch):
-    gpu = FakeGpu(uuid=UUID_A, power_mw=250_000, energy_mj=fake_nvml.NVMLError_NotSupported)
-    mon = gpu_monitor(monkeypatch, gpu)
-    t = iter([0.0, 1.0, 3.0])
-    monkeypatch.setattr("perfrun.telemetry.monitor.time.perf_counter", lambda: next(t, 3.0))
-    for _ in range(3):
-        mon.sample()
-    assert mon.summary(1)["energy_j"] == pytest.approx(250.0 * 3.0)
+def test_power_integration_fallback_is_exact_for_constant_power():
+    """The fallback where the energy counter is N/A: power samples integrated over their
+    own times (a window's trapezoids), exact for a constant power."""
+    from perfrun.telemetry.aggregate import Sample, Window
+
+    window, prev = Window(), None
+    for t in (0.0, 1.0, 3.0):
+        s = Sample(t=t, power_w=250.0)
+        window.add(s, prev)
+        prev = s
+    assert window.integrated_energy_j() == pytest.approx(250.0 * 3.0)
+    window.add(Sample(t=4.0, power_w=None), prev)  # one N/A reading: no integral rather than a wrong one
+    assert window.integrated_energy_j() is None
 
 
 def test_no_nvml_library_gives_none_and_one_warning(monkeypatch, caplog):
@@ -557,19 +563,17 @@ def test_measured_peak_cache_roundtrip(tmp_path, monkeypatch):
 
 
 def test_cache_write_is_atomic(tmp_path, monkeypatch):
-    monkeypatch.setenv("PERFRUN_CACHE", str(tmp_path))
-    result = peaks.MatmulResult(1.5, 128, 3, 1, "fp32", "cpu")
-    peaks.store_measured("dev", "fp32", result)
-    good = (tmp_path / "peaks.json").read_text()
-
-    def disk_full(fd):  # the bytes were written, the flush to disk fails
-        raise OSError("disk full")
-
-    monkeypatch.setattr("perfrun.checkpoint.atomic.os.fsync", disk_full)
-    with pytest.raises(OSError, match="disk full"):
-        peaks.store_measured("dev", "bf16", result)
-    assert (tmp_path / "peaks.json").read_text() == good
-    assert list(tmp_path.glob(".peaks.*")) == []
+    """A write that the disk cannot take (a real, full one) leaves the cache as it was."""
+    with small_disk(tmp_path / "cache", "64k") as cache:
+        monkeypatch.setenv("PERFRUN_CACHE", str(cache))
+        result = peaks.MatmulResult(1.5, 128, 3, 1, "fp32", "cpu")
+        peaks.store_measured("dev", "fp32", result)
+        good = (cache / "peaks.json").read_text()
+        fill(cache)
+        with pytest.raises(OSError, match="No space left on device"):
+            peaks.store_measured("dev", "bf16", result)
+        assert (cache / "peaks.json").read_text() == good
+        assert list(cache.glob(".peaks.*")) == []
 
 
 # --- on a real GPU ----------------------------------------------------------------------------------

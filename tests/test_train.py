@@ -35,6 +35,7 @@ def unigram_entropy(tokens: np.ndarray) -> float:
     return float(-(p * np.log(p)).sum())
 
 
+@pytest.mark.slow
 def test_default_data_learns_beyond_unigram(tmp_path: Path) -> None:
     """The default run learns: validation loss falls from ln(256) = 5.55 (uniform bytes)
     to below the val set's own unigram entropy (about 3.3 nats for Python source), which
@@ -96,6 +97,7 @@ PRECISIONS = {"none": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float
 CHECKPOINTING = ["none", "full", "selective"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", list(PRECISIONS))
 def test_knob_matrix_changes_what_each_knob_changes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                     precision: str) -> None:

@@ -118,6 +118,7 @@ def test_bad_input_is_one_line(capsys: pytest.CaptureFixture[str], tmp_path: Pat
     assert len(err) == 1 and err[0].startswith("perfrun: error: tune:") and words in err[0]
 
 
+@pytest.mark.slow
 def test_a_real_quick_tune_on_the_cpu(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     out = tmp_path / "tune"
     rc = tune.main(["device=cpu", "--quick", "--batch-sizes", "2,4", "--steps", "3", "--warmup", "1",
@@ -186,6 +187,7 @@ def test_keys_and_flags_spell_the_same_tune(tmp_path: Path, capsys: pytest.Captu
     assert saved[0]["overrides"] == ["model=gpt2"]
 
 
+@pytest.mark.slow
 def test_help_lists_every_key_and_flag_and_cfg_job_composes(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -219,6 +221,7 @@ def test_json_puts_the_result_alone_on_stdout(tmp_path: Path, capsys: pytest.Cap
     assert json.loads(out)["winner"] is None and "every trial failed" in err
 
 
+@pytest.mark.slow
 def test_a_tune_keeps_its_checkpoints_when_asked(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     out = tmp_path / "tune"
     assert tune.main(["device=cpu", "--quick", "--batch-sizes", "2", "--steps", "2", "--warmup", "1",

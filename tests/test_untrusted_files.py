@@ -194,6 +194,7 @@ def command(name: str, ckpt: Path, run_dir: Path, data: Path) -> list[str]:
     }[name]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cmd", ["generate", "export", "train resume=PATH", "train resume=auto"])
 @pytest.mark.parametrize("place", [p for p in PLACES if p != "shard tensor entry"])
 def test_a_planted_payload_never_runs(place: str, cmd: str, good: dict[str, Path], tmp_path: Path,

@@ -9,6 +9,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_ladder import CONFIG, plant
@@ -59,6 +60,7 @@ def counted(runs: list[tuple[int, bool, str]]) -> list[int]:
     return [tps for i, tps in enumerate(quiet) if i not in out]
 
 
+@pytest.mark.slow
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(jobs=SWEEPS, flagged=st.sets(st.sampled_from(RUNGS), max_size=2))
 def test_the_verdict_follows_from_what_was_measured(jobs: dict[str, list[tuple[int, bool, str]]],

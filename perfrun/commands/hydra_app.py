@@ -6,8 +6,7 @@ overrides checked against a dataclass, ``--help`` listing every key with its hel
 A plain run composes the configuration with Hydra's compose API and runs the job in this
 process (no run dir: these commands write only what they are asked to). Anything with a
 flag (``--help``, ``--cfg``, ``-sc``, ``-m``) goes to Hydra's own runner (:func:`run_hydra`),
-as ``perfrun train``'s do; a plain ``perfrun train`` runs the configuration it composed
-through Hydra's own job machinery (:func:`run_composed`), so that it composes once. Two things are done to the words before Hydra sees them:
+as ``perfrun train``'s do. Two things are done to the words before Hydra sees them:
 
 - keys in ``raw_keys`` (``prompt=``) take their value literally: the text is quoted for
   Hydra, so spaces, commas, quotes, ``=`` or ``${`` in a prompt stay what they are;
@@ -16,12 +15,13 @@ through Hydra's own job machinery (:func:`run_composed`), so that it composes on
 
 from __future__ import annotations
 
-import argparse
+import contextlib
 import dataclasses
 import os
+import sys
 import textwrap
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -158,61 +158,74 @@ class HydraCommand:
         return hydra_main(self.name, args, self.run)
 
 
+@contextlib.contextmanager
+def _command_line(args: list[str]) -> Iterator[None]:
+    """``sys.argv`` set to ``perfrun ARGS`` for the call, then put back: ``hydra.main`` reads
+    its command line there and nowhere else (Hydra 1.3 has no public entry that takes a list).
+    The program's name is the one argparse's errors and the completion script use."""
+    before = sys.argv
+    sys.argv = ["perfrun", *args]
+    try:
+        yield
+    finally:
+        sys.argv = before
+
+
+def _pickle_flag(args: list[str]) -> str | None:
+    """The file Hydra's ``--experimental-rerun`` names in ``args`` (argparse takes any unique
+    prefix of a long flag, ``--exp`` included, with ``=FILE`` or FILE next), or None."""
+    for i, arg in enumerate(args):
+        flag, eq, value = arg.partition("=")
+        if len(flag) >= 3 and "--experimental-rerun".startswith(flag):
+            return value if eq else (args[i + 1] if i + 1 < len(args) else "")
+    return None
+
+
 def run_hydra(name: str, args: list[str], task: Callable[[DictConfig], None]) -> None:
-    """What ``hydra.main`` over conf/NAME.yaml does, with ``args`` as the command line instead
-    of ``sys.argv``: Hydra parses its flags, answers ``--help``, ``--cfg``, ``--info`` and
-    ``-sc`` itself, and calls ``task`` with each configuration it composes (once, or once per
-    job of ``-m``). hydra.main's own runner (``hydra._internal.utils._run_hydra``, Hydra 1.3)
-    takes the parsed arguments; ``hydra.main`` reads them from ``sys.argv`` only. Hydra's
-    ``--experimental-rerun`` (a pickle read back) is refused in one line (exit 2)."""
+    """``hydra.main`` over conf/NAME.yaml with ``args`` as the command line: Hydra parses its
+    flags, answers ``--cfg``, ``--info`` and ``-sc`` itself, and calls ``task`` with each
+    configuration it composes (once, or once per job of ``-m``). ``--help`` is answered here
+    (:func:`app_help`), where the configuration is conf/'s own. Hydra's ``--experimental-rerun``
+    (a pickle read back) is refused in one line (exit 2), as argparse reads it: an
+    abbreviation (``--exp``) included."""
+    import hydra
     from hydra import version
-    from hydra._internal.utils import _run_hydra, get_args_parser
 
     version.setbase("1.3")
-    parser = get_args_parser()
-    parser.prog = "perfrun"  # argparse's own errors name the program the user ran
-    parsed = parser.parse_args(args)
-    if parsed.experimental_rerun is not None:  # read as argparse reads it: an abbreviation (--exp) included
-        error(PICKLE_FLAG_REFUSED.format(name=name, file=parsed.experimental_rerun))
+    rerun = _pickle_flag(args)
+    if rerun is not None:
+        error(PICKLE_FLAG_REFUSED.format(name=name, file=rerun))
         raise SystemExit(2)
-    if parsed.help and parsed.config_dir is None:
-        raise SystemExit(app_help(name, parsed, parser))
-    _run_hydra(args=parsed, args_parser=parser, task_function=task, config_path=config_dir(), config_name=name)
+    own = not any(a.startswith(("--config-dir", "-cd", "--config-path", "-cp", "--config-name", "-cn")) for a in args)
+    if own and any(a in ("-h", "--help") for a in args):
+        raise SystemExit(app_help(name, [a for a in args if not a.startswith("-")], resolve="--resolve" in args))
+    app = hydra.main(config_path=config_dir(), config_name=name, version_base="1.3")(task)
+    with _command_line(args):
+        app()
 
 
-def app_help(name: str, parsed: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    """``--help``: the text Hydra's ``Hydra.app_help`` prints (Hydra 1.3), with only the
-    placeholders the template uses filled in. Hydra lists every config group, its own and
-    conf/'s, whether the template shows them or not (~3 s on 2 cores), and perfrun's
-    templates show neither. An override that does not compose is one line (exit 2)."""
-    import copy
+def app_help(name: str, overrides: list[str], *, resolve: bool = False) -> int:
+    """``--help``: the help template of conf/NAME.yaml (``hydra.help.template``) filled in as
+    Hydra fills it, from a configuration composed with Hydra's compose API. Hydra's own
+    ``--help`` also lists every config group, its own and conf/'s, whatever the template
+    shows (over a second of CPU); perfrun's templates show only ``$CONFIG``, and any other
+    placeholder is left as written. An override that does not compose is one line (exit 2)."""
     import string
 
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
+    from hydra import compose, initialize_config_dir
     from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
     from omegaconf import OmegaConf
 
     with initialize_config_dir(config_dir=config_dir(), version_base="1.3", job_name=name):
-        hydra = GlobalHydra.instance().hydra
-        assert hydra is not None
         try:
-            cfg = hydra.compose_config(name, parsed.overrides, RunMode.RUN, with_log_configuration=True)
+            cfg = compose(name, overrides=overrides, return_hydra_config=True)
         except Exception as e:  # noqa: BLE001 - every composition error is the user's input
             error(composition_error(e, name))
             return 2
-        HydraConfig.instance().set_config(cfg)
+        HydraConfig.instance().set_config(cfg)  # the template may read ${hydra:...}, as under Hydra's runner
+        job = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])
         template = string.Template(cfg.hydra.help.template)
-        job = hydra.get_sanitized_cfg(copy.deepcopy(cfg), "job")
-
-        def groups(hydras: bool) -> str:
-            return hydra.format_config_groups(lambda g: (g == "hydra" or g.startswith("hydra/")) == hydras)
-
-        fill = {"FLAGS_HELP": lambda: hydra.format_args_help(parser), "HYDRA_CONFIG_GROUPS": lambda: groups(True),
-                "APP_CONFIG_GROUPS": lambda: groups(False), "CONFIG": lambda: OmegaConf.to_yaml(job, resolve=parsed.resolve)}
-        used = {m.group("named") or m.group("braced") for m in template.pattern.finditer(template.template)}
-        print(template.substitute({key: make() for key, make in fill.items() if key in used}))
+        print(template.safe_substitute(CONFIG=OmegaConf.to_yaml(job, resolve=resolve)))
     return 0
 
 
@@ -230,69 +243,3 @@ def hydra_main(name: str, args: list[str], job: Callable[[Any], int]) -> int:
     except SystemExit as e:  # Hydra's own answers and errors exit; the exit code is the answer
         return e.code if isinstance(e.code, int) else int(e.code is not None)
     return max(codes, default=0)
-
-
-def with_hydra_overrides(cfg: DictConfig, overrides: list[str]) -> DictConfig:
-    """``cfg`` (composed with its ``hydra`` node) with more ``hydra.KEY=VALUE`` (or ``~hydra.KEY``)
-    overrides, applied and recorded (``hydra.overrides.hydra``, hence .hydra/hydra.yaml) as
-    Hydra applies and records those of the command line, so that the configuration is not
-    composed again."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from omegaconf import OmegaConf, open_dict
-
-    for override in OverridesParser.create().parse_overrides(overrides):
-        deleted = override.is_delete() and override.value() is None
-        if not override.is_hydra_override() or override.is_sweep_override() or override.is_add() \
-                or (override.is_delete() and not deleted) or override.is_force_add():
-            raise ValueError(f"{override.input_line}: only a plain hydra.KEY=VALUE or ~hydra.KEY is applied to a "
-                             "composed configuration")
-        key = override.key_or_group
-        if deleted:
-            parent_key, _, leaf = key.rpartition(".")
-            parent = OmegaConf.select(cfg, parent_key)
-            if not OmegaConf.is_dict(parent) or leaf not in parent:
-                raise ValueError(f"{override.input_line}: there is no {key} to delete")
-            with open_dict(parent):
-                del parent[leaf]
-        else:
-            OmegaConf.update(cfg, key, override.value(), merge=True)
-        cfg.hydra.overrides.hydra.append(override.input_line)
-    return cfg
-
-
-def run_composed(name: str, cfg: DictConfig, task: Callable[[DictConfig], None]) -> None:
-    """A single run of ``task`` on ``cfg``, composed already over conf/NAME.yaml with its
-    ``hydra`` node (``compose(..., return_hydra_config=True)``): what Hydra's runner does once
-    it has composed (``Hydra.run`` after ``compose_config`` in hydra/_internal/hydra.py, Hydra
-    1.3): Hydra's logging, its callbacks, and ``hydra.core.utils.run_job``, which makes the run
-    dir, writes .hydra/ (config.yaml, hydra.yaml, overrides.yaml), sets up the job's logging
-    and calls the task with HydraConfig set. An exception the task lets out is reported as
-    Hydra reports it (exit 1); a SystemExit passes through."""
-    from hydra import initialize_config_dir
-    from hydra._internal.callbacks import Callbacks
-    from hydra._internal.utils import run_and_report
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.core.utils import configure_log, run_job
-    from hydra.types import HydraContext, RunMode
-
-    if cfg.hydra.mode is None:  # as Hydra's runner says a run's mode: in hydra.yaml's overrides too
-        with_hydra_overrides(cfg, ["hydra.mode=RUN"])
-
-    def job() -> None:
-        hydra = GlobalHydra.instance().hydra
-        assert hydra is not None
-        if cfg.hydra.verbose:  # Hydra's debug header (plugins, search path, defaults tree) composes to print it
-            hydra.compose_config(name, [*cfg.hydra.overrides.task, *cfg.hydra.overrides.hydra], RunMode.RUN,
-                                 with_log_configuration=True)
-        else:
-            configure_log(cfg.hydra.hydra_logging, cfg.hydra.verbose)
-        callbacks = Callbacks(cfg)
-        callbacks.on_run_start(config=cfg, config_name=name)
-        ret = run_job(task_function=task, config=cfg, job_dir_key="hydra.run.dir", job_subdir_key=None,
-                      hydra_context=HydraContext(config_loader=hydra.config_loader, callbacks=callbacks))
-        callbacks.on_run_end(config=cfg, config_name=name, job_return=ret)
-        _ = ret.return_value  # the task's exception, if it raised one
-
-    # Hydra is initialised over conf/ during the job, as under its own runner
-    with initialize_config_dir(config_dir=config_dir(), version_base="1.3", job_name=name):
-        run_and_report(job)

@@ -65,7 +65,7 @@ def apply(cfg: TrainConfig, device: torch.device, plan: Any, stack: ExitStack) -
     opts = cfg.compile_options
     scope = opts.scope
     options = {"mode": None if opts.mode == "default" else opts.mode, "fullgraph": bool(opts.fullgraph),
-               "dynamic": opts.dynamic}
+               "dynamic": opts.dynamic, "backend": opts.backend}
     if scope == "model":
         plan.model = torch.compile(plan.model, **options)
     else:

@@ -37,7 +37,7 @@ def check(cfg: TrainConfig, device: torch.device) -> None:
 def apply(cfg: TrainConfig, device: torch.device, plan: Any, stack: ExitStack) -> None:
     """Activations: the forward runs under ``save_on_cpu`` (the tensors it saves are packed when
     saved, so the context need only span the forward). The optimizer's offload is built with
-    the optimizer (perfrun/loop/optimizer.py)."""
+    the optimizer (perfrun/optim/adamw.py)."""
     name = cfg.offload.name
     if name == "none":
         return

@@ -12,6 +12,7 @@ job, :class:`Eta` prints done/total, the elapsed time and an estimate of the res
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import tempfile
@@ -56,10 +57,17 @@ def sweep_overrides(config: DictConfig) -> list[Override]:
 
 
 def sweep_jobs(config: DictConfig) -> list[list[str]]:
-    """The sweep's jobs, as Hydra's basic sweeper will expand them: one override list each."""
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-
-    return [job for batch in BasicSweeper.split_arguments(sweep_overrides(config), None) for job in batch]
+    """The sweep's jobs, one override list each, in the order Hydra's basic sweeper runs them:
+    the cartesian product of every key's values (a plain override has one; a key given
+    twice keeps its first place and its last values), the sweeper's ``params`` first, then
+    the command line's."""
+    choices: dict[str, list[str]] = {}
+    for override in sweep_overrides(config):
+        key = override.get_key_element()
+        values = override.sweep_string_iterator() if override.is_sweep_override() else \
+            [override.get_value_element_as_str()]
+        choices[key] = [f"{key}={value}" for value in values]
+    return [list(job) for job in itertools.product(*choices.values())]
 
 
 def is_ladder(jobs: list[list[str]]) -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 log = logging.getLogger("perfrun")
 
@@ -23,26 +24,28 @@ class TimeBudget:
     of them (a 1.3 s step: 3 steps, not 10, within a 2.8 s budget); never stops it when
     ``budget_s`` is None."""
 
-    def __init__(self, budget_s: float | None, warmup_steps: int, max_steps: int) -> None:
+    def __init__(self, budget_s: float | None, warmup_steps: int, max_steps: int,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self.budget_s = budget_s
+        self.clock = clock  # seconds, monotonic
         self.warmup_steps = warmup_steps
         self.max_steps = max_steps
         self.first_step = 1
         self.stopped_at: int | None = None
-        self._t0 = time.perf_counter()
+        self._t0 = self.clock()
         self._t_steady: float | None = None  # when the warm-up ended
 
     def start(self, step: int) -> None:
         """The loop starts after ``step`` (0, or the step a resume continues from)."""
         self.first_step = step + 1
-        self._t0 = time.perf_counter()
+        self._t0 = self.clock()
         self._t_steady = self._t0 if self.warmup_steps == 0 else None
 
     def spent(self, step: int) -> bool:
         """True once, at the step where the job should stop."""
         if self.budget_s is None or step >= self.max_steps:
             return False
-        now, done = time.perf_counter(), step - self.first_step + 1
+        now, done = self.clock(), step - self.first_step + 1
         if done == self.warmup_steps:
             self._t_steady = now
         steady = done - self.warmup_steps

@@ -9,7 +9,13 @@ depends on what the process did before the loop. Counted by ``scripts/bench_trai
 --calls`` (see BENCHMARKS.md): a 4x256 GPT step faulted in several times the pages of the
 same step in a plain loop's process, and the kernel time of those faults was the step's gap.
 Fixed, the heap keeps what a step frees (up to the trim threshold) and the count no longer
-depends on the process's history. A CPU run's summary says what was set (``host_heap``).
+depends on the process's history.
+
+The thresholds are the process's: ``runtime.malloc=fixed`` sets them for a CPU job and puts
+glibc's starting values back at its end (:mod:`perfrun.loop.runtime`). glibc has no call
+that gives its dynamic rule back once mallopt has set the mmap threshold, so after a fixed
+job the values are the starting ones but stay where they are. A run's summary says what was
+set (``runtime.heap``).
 """
 
 from __future__ import annotations
@@ -28,20 +34,13 @@ TRIM_THRESHOLD = 2 * MMAP_THRESHOLD
 _USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
 _OTHER_ALLOCATORS = ("jemalloc", "tcmalloc", "mimalloc")
 
-_done: dict[str, Any] | None = None  # set once per process: the thresholds are the process's
+START_THRESHOLD = 128 * 2**10  # both thresholds as glibc starts a process (DEFAULT_MMAP_THRESHOLD_MIN)
 
 
-def keep_freed_memory() -> dict[str, Any]:
-    """Fix glibc's mmap and trim thresholds (once per process); return what was done and why,
-    for summary.json. Left alone where the user chose: another allocator preloaded, or
-    glibc's ``MALLOC_*`` settings in the environment; and where the C library is not glibc."""
-    global _done
-    if _done is None:
-        _done = _fix_thresholds()
-    return _done
-
-
-def _fix_thresholds() -> dict[str, Any]:
+def fix_thresholds() -> dict[str, Any]:
+    """Fix glibc's mmap and trim thresholds; return what was done and why, for summary.json.
+    Left alone where the user chose: another allocator preloaded, or glibc's ``MALLOC_*``
+    settings in the environment; and where the C library is not glibc."""
     preload = os.environ.get("LD_PRELOAD", "")
     other = next((a for a in _OTHER_ALLOCATORS if a in preload), None)
     if other:
@@ -55,8 +54,16 @@ def _fix_thresholds() -> dict[str, Any]:
     except (OSError, AttributeError):
         return {"set": False, "why": "the C library is not glibc"}
     version.restype = ctypes.c_char_p
-    ok = libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
-    if not ok:
+    if not _set(libc, MMAP_THRESHOLD, TRIM_THRESHOLD):
         return {"set": False, "why": "glibc's mallopt refused the thresholds"}
     return {"set": True, "allocator": f"glibc {version().decode()}",
             "mmap_threshold_mib": MMAP_THRESHOLD // 2**20, "trim_threshold_mib": TRIM_THRESHOLD // 2**20}
+
+
+def restore_thresholds() -> None:
+    """glibc's starting values back (after :func:`fix_thresholds` set them)."""
+    _set(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), START_THRESHOLD, START_THRESHOLD)
+
+
+def _set(libc: ctypes.CDLL, mmap_threshold: int, trim_threshold: int) -> bool:
+    return libc.mallopt(M_MMAP_THRESHOLD, mmap_threshold) == 1 and libc.mallopt(M_TRIM_THRESHOLD, trim_threshold) == 1

@@ -14,7 +14,6 @@ import gc
 import logging
 import shlex
 import signal
-import sys
 import time
 from collections.abc import Sequence
 from contextlib import ExitStack
@@ -32,6 +31,7 @@ from perfrun.checkpoint.run_lock import RunRecord, locked
 from perfrun.config import ConfigError, TrainConfig
 from perfrun.console import first_line
 from perfrun.environment import environment, global_state, rank_info
+from perfrun.loop.runtime import frozen_heap
 from perfrun.loop.schedule import Loop, build_loop, train_loop
 from perfrun.loop.setup import Resolved, setup
 from perfrun.loop.stopping import GracefulStop, Interrupted
@@ -66,11 +66,18 @@ def run(cfg: TrainConfig, run_dir: Path | None, *, overrides: list[str] | None =
     ``sweep_args``: the command line of the sweep this job is part of (its logger's names);
     ``found``: the sweep's batch searches so far (``batch_size=auto``), which this job may reuse.
     """
+    with frozen_heap(cfg.runtime) as gc_done:  # runtime.gc, for the whole job, its last collection included
+        return _job(cfg, run_dir, gc_done, overrides=overrides, search=search, sweep_args=sweep_args, found=found)
+
+
+def _job(cfg: TrainConfig, run_dir: Path | None, gc_done: dict[str, Any], *, overrides: list[str] | None,
+         search: RunSearch | None, sweep_args: Sequence[str], found: FoundBatches | None) -> RunSummary:
     rank, world = rank_info()
     main = rank == 0
     t_start = time.perf_counter()
     state_at_start = global_state()
-    summary: RunSummary = {"status": "running", "overrides": list(overrides or []), "rank": rank, "world_size": world}
+    summary: RunSummary = {"status": "running", "overrides": list(overrides or []), "rank": rank, "world_size": world,
+                           "runtime": dict(gc_done)}
     record = RunRecord(run_dir if main else None)
     resolved = Resolved()
     sink: RecordSink | None = None
@@ -84,6 +91,7 @@ def run(cfg: TrainConfig, run_dir: Path | None, *, overrides: list[str] | None =
             built = setup(cfg, stack, resolved, found, job=f"the job in {run_dir}")
             device = built.device
             summary.update(built.facts)
+            summary["runtime"] = {**gc_done, **built.facts["runtime"]}
             summary["environment"] = environment(device)
             reporter = ConsoleReporter(cfg.progress, cfg.max_steps, enabled=main, monitor_every=cfg.monitor.every_n_steps)
             loop = build_loop(cfg, built, run_dir, sink, reporter, stop, search)
@@ -260,16 +268,10 @@ def _oom_message(cfg: TrainConfig, device: torch.device, batch_size: int | None)
 
 
 def _release(device: torch.device | None) -> None:
-    """Give back what this job took, so the next job of a sweep starts clean.
-
-    After a job that ended without an exception, what survives the full collection (torch's,
-    its compiler's and Hydra's objects: reachable, so alive) is frozen out of the collector's
-    sight: the next job's collections scan only what that job made (a full collection over
-    them took about 0.4 s a job on a 2-core CPU, in every job of a sweep). Not after a failed
-    job: its traceback's frames may still hold its tensors, which must stay collectable."""
+    """Give back what this job took, so the next job of a sweep starts clean. With
+    ``runtime.gc=freeze`` the heap is still frozen here, and the collection walks only what
+    the job made (:mod:`perfrun.loop.runtime`)."""
     gc.collect()
-    if sys.exc_info()[0] is None:
-        gc.freeze()
     if device is not None and device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()

@@ -21,6 +21,7 @@ from perfrun.loop.host_heap import keep_freed_memory
 from perfrun.loop.step import TrainStep, Untimed
 from perfrun.memory.found_batches import FoundBatches
 from perfrun.memory.preflight import train_preflight
+from perfrun.loop.runtime import fixed_heap
 from perfrun.models.build import build_model
 from perfrun.models.contract import describe, knob_fits, model_class, parameter_counts
 from perfrun.models.custom import check_forward, check_vocab
@@ -95,7 +96,7 @@ def setup(cfg: TrainConfig, stack: ExitStack, resolved: Resolved, found: FoundBa
     fsdp.check(cfg)
     device = distributed.setup_device(cfg.device, cfg.distributed, stack)
     resolved.device = str(device)
-    host_heap = keep_freed_memory() if device.type == "cpu" else None  # before the first tensor of the run
+    runtime = stack.enter_context(fixed_heap(cfg.runtime, device.type))  # before the first tensor of the run
     fp8.check(cfg, device)  # refused before any data or model is built
     rank, world = distributed.rank(), distributed.world_size()
     snapshot = start_memory_history(cfg, device, stack)
@@ -165,7 +166,7 @@ def setup(cfg: TrainConfig, stack: ExitStack, resolved: Resolved, found: FoundBa
         "vocab_size": data.vocab_size, "vocab_size_padded": resolved.vocab_size_padded,
         "seq_len": seq_len, "tokens_per_step": tokens_per_step, **flops.facts(), **peak.facts(),
         "data": data.description, "batch_size_auto": auto_batch, "memory_snapshot": snapshot,
-        "memory_estimate": memory_estimate, "host_heap": host_heap,
+        "memory_estimate": memory_estimate, "runtime": runtime,
     }
     log.info(
         f"model {m.name}: {facts['params'] / 1e6:.2f}M parameters, seq_len {seq_len}, "
