@@ -16,8 +16,8 @@ from perfrun.console import error
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
-    from perfrun.ladder.rungs import Decision
     from perfrun.config import TrainConfig
+    from perfrun.ladder.rungs import Decision
     from perfrun.memory.found_batches import FoundBatches
 
 PARALLEL = ("ddp", "fsdp")  # the distributed= values that run one process per GPU

@@ -14,6 +14,7 @@ import gc
 import logging
 import shlex
 import signal
+import sys
 import time
 from collections.abc import Sequence
 from contextlib import ExitStack

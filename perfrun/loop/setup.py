@@ -17,11 +17,10 @@ from perfrun.data import build_datasets, build_loader
 from perfrun.data.custom import check_token_ids
 from perfrun.environment import device_name
 from perfrun.knobs import Plan, apply_knobs, fp8, fsdp, refuse_unmet
-from perfrun.loop.host_heap import keep_freed_memory
+from perfrun.loop.runtime import fixed_heap
 from perfrun.loop.step import TrainStep, Untimed
 from perfrun.memory.found_batches import FoundBatches
 from perfrun.memory.preflight import train_preflight
-from perfrun.loop.runtime import fixed_heap
 from perfrun.models.build import build_model
 from perfrun.models.contract import describe, knob_fits, model_class, parameter_counts
 from perfrun.models.custom import check_forward, check_vocab
