@@ -235,7 +235,8 @@ def _tradeoffs(rs: _Rungs, top: str | None) -> list[dict[str, Any]]:
         line = settings.setdefault(meta.get("knob") or rung, {"setting": meta.get("knob") or rung})
         tps = rs.tps(rung)
         if auto:
-            batches = [(rs.summary(r).get("batch_size_auto") or {}).get("batch_size") for r in rs.counted(rung)]
+            # the batch that fits is a memory figure: a job that shared the machine found it too
+            batches = [(rs.summary(r).get("batch_size_auto") or {}).get("batch_size") for r in rs.completed(rung)]
             line.update(largest_batch_job=rung, largest_batch=_median(batches), tokens_per_s_at_largest=tps.median,
                         spread_pct_at_largest=tps.half_pct)
         else:
