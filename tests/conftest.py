@@ -56,7 +56,9 @@ RANKS_COMMON = [*TINY_MODEL, "max_steps=6", "log_every=1", "eval_every=0", "eval
 # xdist workers handed the longest files first end together (with xdist's own order, most
 # tests first, a long file of one test came last and one worker waited for the other).
 # Files not named follow, most tests first. A stale list costs balance, never a test.
-SLOW_FIRST = ("test_reliability.py", "test_fsdp.py", "test_distributed.py", "test_cli.py", "test_nothing_lost.py",
+SLOW_FIRST = ("test_reliability.py", "test_fsdp.py", "test_memory_knobs.py", "test_distributed.py", "test_hf_models.py",
+              "test_cli.py", "test_translations.py", "test_nothing_lost.py", "test_recorded_code.py", "test_verdict_paste.py",
+              "test_options_as_typed.py",
               "test_sweep.py", "test_gpu_bench_scripts.py", "test_estimate.py", "test_generate.py", "test_tune.py",
               "test_train.py", "test_llama.py", "test_ladder_once.py", "test_cluster_launcher.py",
               "test_bench_train.py", "test_export.py", "test_prepare.py", "test_loggers.py", "test_sweep_stop.py",

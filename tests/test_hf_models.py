@@ -302,6 +302,7 @@ def test_without_transformers_one_line_names_the_extra(folders: dict[str, Path],
                             'pip install -e ".[hf]"')
 
 
+@pytest.mark.slow  # a real process
 def test_a_refused_folder_is_one_line_exit_2_and_no_run(tmp_path: Path) -> None:
     """As a user types it: a folder whose config.json asks for code of its own."""
     from conftest import run_cli

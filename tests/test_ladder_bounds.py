@@ -88,6 +88,7 @@ def test_the_jobs_are_counted_without_listing_them() -> None:
     assert [values_of(o) for o in parsed] == [100000, 3, 1, 4, 5, None]
 
 
+@pytest.mark.slow  # a real process each: the bounds themselves are checked in-process above
 @pytest.mark.parametrize("override, says", [("ablation.budget_s=-1", "ablation.budget_s=-1.0 must be more than 0"),
                                             ("ablation.repeats=100000", "ablation.repeats=100000 is outside")])
 def test_the_ladder_command_refuses_in_one_line_before_any_job(tmp_path: Path, override: str, says: str) -> None:

@@ -87,8 +87,11 @@ def choice_options() -> list[str]:
     return [f"{key}={option}" for key, options in CHOICES.items() for option in options]
 
 
+SPELLINGS = ("true", "false", "True", "False")  # how a boolean is typed
+
+
 def bool_options() -> list[str]:
-    return [f"{key}={value}" for key in BOOL_KEYS for value in ("true", "false", "True", "False")]
+    return [f"{key}={value}" for key in BOOL_KEYS for value in SPELLINGS]
 
 
 def test_the_lists_are_read() -> None:
@@ -100,7 +103,7 @@ def test_the_lists_are_read() -> None:
     assert "compile=true" in bool_options() and "dataloader.device_input=false" in bool_options()
 
 
-@pytest.mark.parametrize("override", sorted({*help_options(), *readme_options(), *choice_options(), *bool_options()}))
+@pytest.mark.parametrize("override", sorted({*help_options(), *readme_options(), *choice_options()} - set(bool_options())))
 def test_every_listed_option_is_accepted_as_typed(override: str) -> None:
     key, _, typed_value = override.lstrip("+").partition("=")
     cfg = make_cfg(override)
@@ -112,6 +115,14 @@ def test_every_listed_option_is_accepted_as_typed(override: str) -> None:
         validate(cfg)
     except ConfigError as e:  # another rule may refuse it here (a CUDA-only knob on the CPU), never its spelling
         assert "is not an option" not in str(e), f"{override}: {e}"
+
+
+@pytest.mark.parametrize("spelling", SPELLINGS)
+def test_every_boolean_key_is_accepted_in_each_spelling(spelling: str) -> None:
+    """Every boolean key typed one way, in one composition: Hydra reads each alone (a boolean
+    is no group option), so composing them together tests the same spelling of each."""
+    cfg = make_cfg(*(f"{key}={spelling}" for key in BOOL_KEYS))
+    assert {key: select(cfg, key) for key in BOOL_KEYS} == dict.fromkeys(BOOL_KEYS, spelling.lower() == "true")
 
 
 def test_an_option_is_found_by_what_it_means() -> None:
