@@ -103,18 +103,31 @@ def test_the_lists_are_read() -> None:
     assert "compile=true" in bool_options() and "dataloader.device_input=false" in bool_options()
 
 
-@pytest.mark.parametrize("override", sorted({*help_options(), *readme_options(), *choice_options()} - set(bool_options())))
-def test_every_listed_option_is_accepted_as_typed(override: str) -> None:
-    key, _, typed_value = override.lstrip("+").partition("=")
-    cfg = make_cfg(override)
-    if key in CHOICES:
-        assert select(cfg, key) == typed_value, f"{override} became {select(cfg, key)!r}"
-    elif key in BOOL_KEYS:
-        assert select(cfg, key) is (typed_value.lower() == "true")
+def listed_by_key() -> dict[str, list[str]]:
+    """Each listed option (but the booleans, below) under its key: a group or a dotted key."""
+    by_key: dict[str, list[str]] = {}
+    for override in sorted({*help_options(), *readme_options(), *choice_options()} - set(bool_options())):
+        by_key.setdefault(override.lstrip("+").partition("=")[0], []).append(override)
+    return by_key
+
+
+LISTED = listed_by_key()
+
+
+@pytest.mark.parametrize("k", range(max(map(len, LISTED.values()))))
+def test_every_listed_option_is_accepted_as_typed(k: int) -> None:
+    """The k-th option of every key in one composition: Hydra reads each key's override
+    alone, so composing one option of each key together tests each as it is typed."""
+    overrides = [options[k] for options in LISTED.values() if k < len(options)]
+    cfg = make_cfg(*overrides)
+    for override in overrides:
+        key, _, typed_value = override.lstrip("+").partition("=")
+        if key in CHOICES:  # what validate's "is not an option" checks: the option, as typed
+            assert select(cfg, key) == typed_value, f"{override} became {select(cfg, key)!r}"
     try:
         validate(cfg)
-    except ConfigError as e:  # another rule may refuse it here (a CUDA-only knob on the CPU), never its spelling
-        assert "is not an option" not in str(e), f"{override}: {e}"
+    except ConfigError as e:  # another rule may refuse the mix (a CUDA-only knob on the CPU), never a spelling
+        assert "is not an option" not in str(e), f"{overrides}: {e}"
 
 
 @pytest.mark.parametrize("spelling", SPELLINGS)
