@@ -142,7 +142,7 @@ def memory_png(ablation: dict[str, Any]) -> bytes | None:
     ax.set_ylabel("GiB at the tracked step's peak")
     ax.set_title(f"where the memory goes, per rung{' (' + ablation['root'] + ')' if ablation.get('root') else ''}",
                  fontsize=10)
-    ax.legend(fontsize=7, loc="upper left", ncols=2)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))  # beside the bars, never over them
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110)
