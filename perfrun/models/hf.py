@@ -20,7 +20,6 @@ transformers is an extra: ``pip install -e ".[hf]"``.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
@@ -34,6 +33,7 @@ from torch import nn
 from perfrun.config import ConfigError
 from perfrun.console import first_line
 from perfrun.model_schema import ModelConfig
+from perfrun.models.hf_layout import folder_config
 from perfrun.models.losses import LossFn, standard_linear_cross_entropy
 
 INSTALL = 'pip install -e ".[hf]"'
@@ -63,17 +63,9 @@ def transformers_module() -> Any:
 def read_config_json(folder: Path, shown: str) -> dict[str, Any]:
     """The folder's config.json as plain JSON (read before transformers sees the folder, so a
     config that names code to run is refused before anything imports it)."""
-    if not folder.is_dir():
-        what = "does not exist" if not folder.exists() else "is a file"
-        raise ConfigError(f"{shown} {what}; give a Hugging Face model folder (config.json, and model.safetensors "
-                          "for its weights)")
-    try:
-        raw = json.loads((folder / "config.json").read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{shown} has no config.json; give a folder written by save_pretrained (or perfrun export "
-                          "format=safetensors)") from None
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{shown}: config.json cannot be read as JSON ({first_line(e)}); the folder is damaged") from None
+    raw = folder_config(folder, shown, wanted="a Hugging Face model folder (config.json, and model.safetensors for its weights)",
+                        no_config="has no config.json; give a folder written by save_pretrained (or perfrun export "
+                                  "format=safetensors)")
     if not isinstance(raw, dict) or not isinstance(raw.get("model_type"), str):
         raise ConfigError(f"{shown}: config.json has no model_type; give a folder written by save_pretrained")
     if raw.get("auto_map"):

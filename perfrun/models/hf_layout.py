@@ -15,6 +15,7 @@ biases, which compute the same. Each file is written whole or not at all
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -23,10 +24,25 @@ import torch
 
 from perfrun.checkpoint.atomic import atomic_write, write_json
 from perfrun.config import ConfigError
+from perfrun.console import first_line
 from perfrun.models.gpt import GPT
 from perfrun.models.llama import Llama
 
 CONV1D = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+
+def folder_config(folder: Path, shown: str, *, wanted: str, no_config: str) -> Any:
+    """A Hugging Face folder's config.json as plain JSON, or one line: the folder missing or a
+    file (``wanted`` says what to give), no config.json (``no_config``), or JSON that does not parse."""
+    if not folder.is_dir():
+        what = "does not exist" if not folder.exists() else "is a file"
+        raise ConfigError(f"{shown} {what}; give {wanted}")
+    try:
+        return json.loads((folder / "config.json").read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{shown} {no_config}") from None
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{shown}: config.json cannot be read as JSON ({first_line(e)}); the folder is damaged") from None
+
 
 
 def hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:

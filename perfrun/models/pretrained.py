@@ -38,7 +38,7 @@ from perfrun.config import ConfigError, TrainConfig, config_dir
 from perfrun.console import first_line, json_kinds
 from perfrun.model_schema import ModelConfig
 from perfrun.models.gpt import GPT
-from perfrun.models.hf_layout import llama_state_dict, perfrun_state_dict
+from perfrun.models.hf_layout import folder_config, llama_state_dict, perfrun_state_dict
 from perfrun.models.llama import Llama
 
 SHAPE = {"n_layer": "n_layer", "n_head": "n_head", "n_embd": "n_embd", "block_size": "n_positions"}
@@ -54,16 +54,9 @@ log = logging.getLogger("perfrun")
 def config_json(folder: Path, shown: str, family: str = "gpt") -> dict[str, Any]:
     """config.json of a Hugging Face folder of the model group's family (model_type gpt2 or llama)."""
     arch = "GPT-2" if family == "gpt" else "Llama"
-    if not folder.is_dir():
-        what = "does not exist" if not folder.exists() else "is a file"
-        raise ConfigError(f"{shown} {what}; give a Hugging Face {arch} folder (config.json + model.safetensors)")
-    try:
-        config = json.loads((folder / "config.json").read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{shown} is not a {arch} checkpoint folder: it has no config.json; give a folder written "
-                          "by save_pretrained or perfrun export format=safetensors") from None
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{shown}: config.json cannot be read as JSON ({first_line(e)}); the folder is damaged") from None
+    config = folder_config(folder, shown, wanted=f"a Hugging Face {arch} folder (config.json + model.safetensors)",
+                           no_config=f"is not a {arch} checkpoint folder: it has no config.json; give a folder written "
+                                     "by save_pretrained or perfrun export format=safetensors")
     kind = config.get("model_type") if isinstance(config, dict) else None
     want = "gpt2" if family == "gpt" else "llama"
     if kind != want:
