@@ -178,6 +178,11 @@ HF_CHECKPOINT = ("the model's own gradient checkpointing (gradient_checkpointing
                  "chooses; perfrun wrapped every k-th of its blocks in torch.utils.checkpoint")
 HF_ATTENTION = "the model's own attention code for that implementation; perfrun measured its GPT's"
 
+def _betas(c: Config) -> tuple[Any, Any]:
+    """AdamW's ``betas``: Lightning's and PyTorch's one argument for perfrun's two keys."""
+    return c["optim.beta1"], c["optim.beta2"]
+
+
 ROWS: tuple[Translation, ...] = (
     Translation(
         "precision.name",
@@ -316,15 +321,15 @@ ROWS: tuple[Translation, ...] = (
     Translation(
         "optim.beta1",
         hf=(Arg("TrainingArguments", "adam_beta1", _v("optim.beta1")),),
-        lightning=(Arg("AdamW", "betas", lambda c: (c["optim.beta1"], c["optim.beta2"])),),
-        torch=(Arg("AdamW", "betas", lambda c: (c["optim.beta1"], c["optim.beta2"])),),
+        lightning=(Arg("AdamW", "betas", _betas),),
+        torch=(Arg("AdamW", "betas", _betas),),
         on=lambda c: False,
     ),
     Translation(
         "optim.beta2",
         hf=(Arg("TrainingArguments", "adam_beta2", _v("optim.beta2")),),
-        lightning=(Arg("AdamW", "betas", lambda c: (c["optim.beta1"], c["optim.beta2"])),),
-        torch=(Arg("AdamW", "betas", lambda c: (c["optim.beta1"], c["optim.beta2"])),),
+        lightning=(Arg("AdamW", "betas", _betas),),
+        torch=(Arg("AdamW", "betas", _betas),),
         on=lambda c: False,
     ),
     Translation(
