@@ -89,6 +89,7 @@ def _compiled_frame_count() -> int | None:
     """
     if "torch._dynamo" not in sys.modules:
         return 0
+    # no public API counts compiled frames
     from torch._dynamo import convert_frame
 
     return getattr(convert_frame, "FRAME_COUNTER", None)

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
-from hydra.core.hydra_config import HydraConfig
 
 from perfrun.config import config_dir, register_configs
 
@@ -49,12 +48,11 @@ def test_slurm_launcher_composes_into_one_task_per_node_with_its_gpus(tmp_path: 
     assert (hl.nodes, hl.tasks_per_node, hl.gpus_per_node, hl.partition) == (1, 1, 8, "gpu")
     assert hl.timeout_min == 60 and hl.max_num_timeout == 0 and hl.setup is None
     assert hl.submitit_folder == f"{tmp_path}/.submitit/%j"
-    before = HydraConfig.instance().cfg
-    HydraConfig.instance().set_config(cfg)  # as in a job: nproc follows the job's GPUs
-    try:
-        assert cfg.nproc == 8
-    finally:
-        HydraConfig.instance().cfg = before
+    # as in a job: nproc follows the job's GPUs (Hydra's --cfg job --resolve resolves ${hydra:...} as a job does)
+    shown = run_cli("train", "hydra/launcher=slurm", "hydra.launcher.gpus_per_node=8", "distributed=ddp",
+                    "nproc=${hydra:launcher.gpus_per_node}", "--cfg", "job", "--resolve", cwd=tmp_path)
+    assert shown.returncode == 0, shown.stderr
+    assert "nproc: 8" in shown.stdout.splitlines() and "distributed: ddp" in shown.stdout.splitlines()
 
     # what the plugin turns into the sbatch script's --cpus-per-task, --mem and --job-name
     assert (hl.cpus_per_task, hl.mem_gb, cfg.hydra.job.name) == (8, 64, "train")

@@ -1,7 +1,8 @@
 """The house rules, checked over perfrun/'s source: no import cycle (lazy imports count), imports
 between packages only in the directions :data:`MAY_IMPORT` allows, no private name imported
-across modules, no module over 500 lines, a training loop that fits on one screen. Each rule
-reads the real source, so breaking one fails here, not in a review."""
+across modules, no private module of Hydra's, no module over 500 lines, a training loop that
+fits on one screen; and over tests/: no test patches an attribute of a third-party module.
+Each rule reads the real source, so breaking one fails here, not in a review."""
 
 from __future__ import annotations
 
@@ -254,9 +255,82 @@ def test_the_suites_slow_first_list_names_its_test_files() -> None:
     assert [n for n in SLOW_FIRST if not (tests / n).is_file()] == [] and len(set(SLOW_FIRST)) == len(SLOW_FIRST)
 
 
+def _imported_modules(tree: ast.AST) -> Iterator[str]:
+    """Every module an import statement names (a lazy import inside a function too)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            yield node.module
+            yield from (f"{node.module}.{alias.name}" for alias in node.names)
+
+
+def _private_third_party(module: str) -> bool:
+    parts = module.split(".")
+    return parts[0] in ("hydra", "omegaconf") and any(p.startswith("_") for p in parts[1:])
+
+
 def test_no_private_hydra_module_is_used() -> None:
     """perfrun enters Hydra through its public API (hydra.main, compose, the override parser,
-    its plugin and callback interfaces): a private module of Hydra's may change in any release."""
-    used = sorted(f"{name}: {line.strip()}" for name, path in _modules().items()
-                  for line in path.read_text().splitlines() if "hydra._internal" in line)
+    its plugin and callback interfaces): a private module of Hydra's or OmegaConf's may change
+    in any release."""
+    used = sorted(f"{name}: {module}" for name, path in _modules().items()
+                  for module in _imported_modules(_tree(path)) if _private_third_party(module))
     assert used == []
+
+
+def test_a_planted_private_hydra_import_is_found() -> None:
+    planted = ast.parse("import hydra.core\ndef f():\n    from omegaconf._utils import is_dict_annotation\n")
+    assert [m for m in _imported_modules(planted) if _private_third_party(m)] == [
+        "omegaconf._utils", "omegaconf._utils.is_dict_annotation"]
+
+
+TESTS = Path(__file__).resolve().parent
+
+
+def _third_party_patches(tree: ast.AST) -> list[str]:
+    """``monkeypatch.setattr(X, ...)`` calls whose X is, or lies in, a module this file imports
+    from outside perfrun and tests/ (X a name bound by an import, or a dotted string)."""
+    local = {p.stem for p in TESTS.glob("*.py")}
+    bound: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            bound.update({(a.asname or a.name).split(".")[0]: a.name if a.asname else a.name.split(".")[0]
+                          for a in node.names})
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            bound.update({a.asname or a.name: f"{node.module}.{a.name}" for a in node.names})
+    found = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "setattr"
+                and isinstance(node.func.value, ast.Name) and node.args):
+            continue
+        target = node.args[0]
+        if isinstance(target, ast.Constant) and isinstance(target.value, str):
+            module = target.value
+        else:
+            while isinstance(target, (ast.Attribute, ast.Call, ast.Subscript)):  # a.b, a.f(), a[k]: a
+                target = target.func if isinstance(target, ast.Call) else target.value
+            module = bound.get(target.id, "") if isinstance(target, ast.Name) else ""
+        root = module.split(".")[0]
+        if module and root != "perfrun" and root not in local:
+            found.append(f"line {node.lineno}: setattr on {module}")
+    return found
+
+
+def test_no_test_replaces_an_attribute_of_a_third_party_module() -> None:
+    """Tests run what users run: torch, Hydra and the standard library are used as they are, not
+    patched (perfrun's own seams may be; a process environment is set with setenv)."""
+    found = {p.name: f for p in sorted(TESTS.glob("*.py")) if (f := _third_party_patches(_tree(p)))}
+    assert found == {}
+
+
+def test_a_planted_third_party_patch_is_found() -> None:
+    planted = ast.parse("import importlib.util\nfrom hydra.core.hydra_config import HydraConfig\n"
+                        "from perfrun.models import flops\n"
+                        "def test(monkeypatch):\n"
+                        "    monkeypatch.setattr(importlib.util, 'find_spec', None)\n"
+                        "    monkeypatch.setattr(HydraConfig.instance(), 'cfg', None)\n"
+                        "    monkeypatch.setattr('torch.cuda.is_available', lambda: True)\n"
+                        "    monkeypatch.setattr(flops, 'REAL_PASS_FLOPS', 0)\n")
+    assert _third_party_patches(planted) == ["line 5: setattr on importlib", "line 6: setattr on hydra.core.hydra_config.HydraConfig",
+                                             "line 7: setattr on torch.cuda.is_available"]

@@ -204,7 +204,8 @@ def _measured_peak(device: torch.device) -> Iterator[dict[str, Any]]:
         out.update(allocated=allocated, source="torch.cuda.max_memory_allocated",
                    reserved_free=torch.cuda.max_memory_reserved(device) - allocated)
         return
-    if torch.autograd.profiler._is_profiler_enabled:  # profile=true is recording: one profiler at a time
+    # profile=true is recording: one profiler at a time (torch has no public query of this flag)
+    if torch.autograd.profiler._is_profiler_enabled:
         yield out
         out.update(allocated=0, source="not measured: torch.profiler was already recording (profile=true)")
         return

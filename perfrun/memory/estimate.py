@@ -311,7 +311,7 @@ def fake_process_group(world: int) -> Iterator[None]:
         raise EstimateError("an FSDP estimate over nproc ranks runs in a plain process, not under torchrun; "
                             "run perfrun estimate on its own")
     try:
-        from torch.testing._internal.distributed.fake_pg import FakeStore
+        from torch.testing._internal.distributed.fake_pg import FakeStore  # not public
     except ImportError as e:
         raise EstimateError(f"an FSDP estimate needs torch's fake process group, missing from torch "
                             f"{torch.__version__} ({e}); estimate with distributed=none and divide the "

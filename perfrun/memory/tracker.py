@@ -270,7 +270,8 @@ def module_units(model: nn.Module) -> Iterator[str]:
 
 @contextmanager
 def fake_mode() -> Iterator[Any]:
-    """torch's FakeTensorMode: tensors with shapes, dtypes and devices but no storage."""
+    """torch's FakeTensorMode: tensors with shapes, dtypes and devices but no storage (from
+    torch._subclasses: fake tensors have no public module)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode(allow_non_fake_inputs=False) as mode:

@@ -40,8 +40,8 @@ from dataclasses import replace
 from typing import Any, Protocol
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from torch.utils._python_dispatch import TorchDispatchMode  # no public module has it
+from torch.utils._pytree import tree_leaves  # no public module has it
 
 from perfrun.knobs import Plan
 

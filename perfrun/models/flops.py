@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode  # fake tensors: no public module
 from torch.utils.flop_counter import (
     FlopCounterMode,
     register_flop_formula,

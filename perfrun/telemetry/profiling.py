@@ -126,6 +126,7 @@ def start_memory_history(cfg: TrainConfig, device: torch.device, stack: ExitStac
         return False
     if device.type != "cuda":
         raise ConfigError(f"memory_snapshot=true records the CUDA allocator; device is {device}: use a CUDA device or drop it")
+    # the underscore names are torch's documented snapshot API (pytorch.org/docs: torch_cuda_memory)
     torch.cuda.memory._record_memory_history(max_entries=cfg.profiler.snapshot_entries)
     stack.callback(torch.cuda.memory._record_memory_history, enabled=None)
     return True
