@@ -60,6 +60,9 @@ def validate(cfg: TrainConfig) -> None:
     check_distributed(cfg)
     _check_mfu_peak(str(cfg.mfu.peak))
     check_bounds(cfg)
+    if not 0 <= cfg.seed < 2**32:
+        raise ConfigError(f"seed={cfg.seed} is outside what the random number generators take (0 to 2**32-1, numpy's "
+                          "limit); choose a seed in that range")
 
 
 def _check_keys_and_choices(cfg: TrainConfig) -> None:

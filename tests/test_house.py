@@ -197,12 +197,11 @@ def test_the_directions_say_what_the_design_says() -> None:
     assert _cycles({p: set(targets) for p, targets in MAY_IMPORT.items()}) == []  # the directions form layers
 
 
-# Where a knob module is named outside knobs/: setup runs fp8's and fsdp's checks before any data or
-# model is built, and evaluation and the batch-size trials run compiled code eagerly. A new knob
-# adds none: it is its module, its place in knobs.apply_knobs' order, its config group, its test
-# and its docs line (docs/architecture.md: adding a knob).
-KNOB_SEAMS = {"perfrun.loop.setup": {"fp8", "fsdp"}, "perfrun.loop.evaluation": {"compilation"},
-              "perfrun.memory.batch_size": {"compilation"}}
+# Where a knob module is named outside knobs/: evaluation and the batch-size trials run compiled
+# code eagerly. A new knob adds none: it is its module, its place in knobs.apply_knobs' order (and
+# its check in knobs.check_knobs), its config group, its test and its docs line
+# (docs/architecture.md: adding a knob).
+KNOB_SEAMS = {"perfrun.loop.evaluation": {"compilation"}, "perfrun.memory.batch_size": {"compilation"}}
 
 
 def test_knob_modules_are_named_only_inside_knobs_and_at_the_known_seams() -> None:

@@ -226,6 +226,21 @@ def test_a_value_the_schema_refuses_makes_no_run_dir_and_imports_no_trainer(
     assert "perfrun.loop.run" not in sys.modules
 
 
+@pytest.mark.parametrize("value", ["precision.tf32=true", "sdpa_backend=flash", "offload=activations", "seed=-1",
+                                   "optim.in_backward=true", "memory_snapshot=true", "device=tpu"])
+def test_a_setting_this_run_cannot_take_makes_no_run_dir(
+        value: str, tmp_path: Path, capfd: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What setup would refuse from the configuration and the device alone (a knob this CPU
+    cannot run, a seed out of range) is refused by the command before Hydra's job makes the
+    run dir: a refused run leaves no folder."""
+    monkeypatch.chdir(tmp_path)
+    rc = cli_main(["train", *SMALL, value])
+    out, err = capfd.readouterr()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith(f"perfrun: error: {value.split('=')[0]}"), lines
+    assert out == "" and list(tmp_path.iterdir()) == []
+
+
 def _first_metrics(tmp_path: Path) -> bool:
     return any(p.stat().st_size > 0 for p in tmp_path.rglob("metrics.jsonl"))
 

@@ -107,8 +107,12 @@ def _checked(composed: DictConfig | None, args: list[str]) -> TrainConfig | None
     try:
         if _several(config, args):
             validate_job(config, int(config.nproc) if world_size() == 1 else None)
-        else:
+        else:  # one process: what setup would refuse before building anything, refused before the run dir
+            from perfrun.devices import resolve_device
+            from perfrun.loop.refusals import refuse_before_building
+
             validate(config)
+            refuse_before_building(config, resolve_device(config.device))
     except ConfigError as e:
         raise Refused(str(e)) from None
     return config

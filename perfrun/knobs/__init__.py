@@ -21,7 +21,7 @@ from perfrun.config import TrainConfig
 from perfrun.knobs.refusal import KnobRefused, need, refuse_unmet
 from perfrun.models import contract
 
-__all__ = ["KnobRefused", "Plan", "apply_knobs", "need", "refuse_unmet"]
+__all__ = ["KnobRefused", "Plan", "apply_knobs", "check_knobs", "need", "refuse_unmet"]
 
 
 def _no_scaling() -> torch.amp.GradScaler:
@@ -95,6 +95,20 @@ class Plan:
         """Take a checkpoint's loss scale back; nothing to do without fp16."""
         if self.scaler.is_enabled() and state_dict:
             self.scaler.load_state_dict(state_dict)
+
+
+def check_knobs(cfg: TrainConfig, device: torch.device) -> None:
+    """Every knob's refusal that needs only the configuration and the device (not the data,
+    not the model): FSDP's options, FP8, TF32 and autocast, the SDPA backend, offloading, the
+    optimizer step in the backward. Raises ConfigError; each knob's apply checks again."""
+    from perfrun.knobs import backends, fp8, fsdp, offload, optim_in_backward, precision
+
+    fsdp.check(cfg)
+    fp8.check(cfg, device)
+    precision.check(cfg, device)
+    backends.check(cfg, device)
+    offload.check(cfg, device)
+    optim_in_backward.check(cfg)
 
 
 def apply_knobs(cfg: TrainConfig, device: torch.device, model: nn.Module, stack: ExitStack) -> Plan:

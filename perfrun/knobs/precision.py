@@ -36,7 +36,17 @@ def _check_supported(device: torch.device, dtype: torch.dtype, name: str) -> Non
         )
 
 
+def check(cfg: TrainConfig, device: torch.device) -> None:
+    """Refuse TF32 off CUDA and a dtype the device cannot autocast to, before anything is built."""
+    p = cfg.precision
+    if p.tf32 and device.type != "cuda":
+        raise ConfigError(f"precision.tf32=true needs a CUDA device (device is {device}); drop it")
+    if p.dtype in DTYPES and DTYPES[p.dtype] != torch.float32:
+        _check_supported(device, DTYPES[p.dtype], p.name)
+
+
 def apply(cfg: TrainConfig, device: torch.device, plan: Any, stack: ExitStack) -> None:
+    check(cfg, device)
     p = cfg.precision
     dtype = DTYPES[p.dtype]
     plan.notes["precision"] = p.name
@@ -48,12 +58,8 @@ def apply(cfg: TrainConfig, device: torch.device, plan: Any, stack: ExitStack) -
         torch.backends.cudnn.allow_tf32 = bool(p.tf32)
         stack.callback(_restore_tf32, prev)
         plan.notes["tf32"] = bool(p.tf32)
-    elif p.tf32:
-        raise ConfigError(f"precision.tf32=true needs a CUDA device (device is {device}); drop it")
-
     if dtype == torch.float32:
         return
-    _check_supported(device, dtype, p.name)
     plan.contexts.append(partial(torch.autocast, device_type=device.type, dtype=dtype))
     if dtype == torch.float16:  # the plan's backward and optimizer step then scale, unscale and skip
         plan.scaler = torch.amp.GradScaler(device.type)

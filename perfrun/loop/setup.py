@@ -12,11 +12,12 @@ from typing import Any
 import torch
 
 from perfrun import distributed
-from perfrun.config import ConfigError, TrainConfig, as_dict
+from perfrun.config import TrainConfig, as_dict
 from perfrun.data import build_datasets, build_loader
 from perfrun.data.custom import check_token_ids
 from perfrun.environment import device_name
-from perfrun.knobs import Plan, apply_knobs, fp8, fsdp, refuse_unmet
+from perfrun.knobs import Plan, apply_knobs, refuse_unmet
+from perfrun.loop.refusals import refuse_before_building
 from perfrun.loop.runtime import fixed_heap
 from perfrun.loop.step import TrainStep, Untimed
 from perfrun.memory.found_batches import FoundBatches
@@ -89,14 +90,10 @@ def setup(cfg: TrainConfig, stack: ExitStack, resolved: Resolved, found: FoundBa
     what it finds out goes into ``resolved`` (the caller's, so a failed setup still tells);
     ``found``: the batch searches of earlier jobs of a sweep, which ``job`` may reuse."""
     validate(cfg)
-    if not 0 <= cfg.seed < 2**32:
-        raise ConfigError(f"seed={cfg.seed} is outside what the random number generators take (0 to 2**32-1, numpy's "
-                          "limit); choose a seed in that range")
-    fsdp.check(cfg)
     device = distributed.setup_device(cfg.device, cfg.distributed, stack)
     resolved.device = str(device)
+    refuse_before_building(cfg, device)
     runtime = stack.enter_context(fixed_heap(cfg.runtime, device.type))  # before the first tensor of the run
-    fp8.check(cfg, device)  # refused before any data or model is built
     rank, world = distributed.rank(), distributed.world_size()
     snapshot = start_memory_history(cfg, device, stack)
     distributed.seed_everything(cfg.seed)

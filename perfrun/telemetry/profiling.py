@@ -67,12 +67,8 @@ def attach_profiler(cfg: TrainConfig, device: torch.device, plan: Any, stack: Ex
     """
     if not cfg.profile:
         return
+    check(cfg, device)
     p = cfg.profiler
-    if p.start_step + p.warmup + p.active > cfg.max_steps:
-        raise ConfigError(
-            f"profile=true records steps {p.start_step + p.warmup + 1}-{p.start_step + p.warmup + p.active} "
-            f"but max_steps={cfg.max_steps}; raise max_steps or lower profiler.start_step/warmup/active"
-        )
     if not record:
         return
     if run_dir is None:
@@ -119,13 +115,25 @@ def attach_profiler(cfg: TrainConfig, device: torch.device, plan: Any, stack: Ex
                              "dir": str(out)}
 
 
+def check(cfg: TrainConfig, device: torch.device) -> None:
+    """Refuse a profiler window past the run's end and an allocator history off CUDA, before
+    anything is built."""
+    p = cfg.profiler
+    if cfg.profile and p.start_step + p.warmup + p.active > cfg.max_steps:
+        raise ConfigError(
+            f"profile=true records steps {p.start_step + p.warmup + 1}-{p.start_step + p.warmup + p.active} "
+            f"but max_steps={cfg.max_steps}; raise max_steps or lower profiler.start_step/warmup/active"
+        )
+    if cfg.memory_snapshot and device.type != "cuda":
+        raise ConfigError(f"memory_snapshot=true records the CUDA allocator; device is {device}: use a CUDA device or drop it")
+
+
 def start_memory_history(cfg: TrainConfig, device: torch.device, stack: ExitStack) -> bool:
     """Record the CUDA allocator's history from setup on (before the model is built);
     :func:`dump_memory_snapshot` writes it at the end and on an out-of-memory error."""
+    check(cfg, device)
     if not cfg.memory_snapshot:
         return False
-    if device.type != "cuda":
-        raise ConfigError(f"memory_snapshot=true records the CUDA allocator; device is {device}: use a CUDA device or drop it")
     # the underscore names are torch's documented snapshot API (pytorch.org/docs: torch_cuda_memory)
     torch.cuda.memory._record_memory_history(max_entries=cfg.profiler.snapshot_entries)
     stack.callback(torch.cuda.memory._record_memory_history, enabled=None)
