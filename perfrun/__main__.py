@@ -9,8 +9,8 @@ from perfrun.commands.dispatch import main as dispatch
 
 def main() -> int:
     """The command's exit code. On the way out the heap is frozen: the interpreter's last
-    full collection would otherwise walk every object torch, dynamo and Hydra made (about a
-    second on 2 cores after a run) only to free memory the system takes back at exit."""
+    full collection would otherwise walk every object torch, dynamo and Hydra made, only to
+    free memory the system takes back at exit anyway."""
     try:
         return dispatch()
     finally:

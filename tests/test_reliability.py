@@ -271,22 +271,52 @@ def test_signal_stops_gracefully_and_resumes(tmp_path: Path, sig: int, code: int
     assert s2["status"] == "completed" and s2["start_step"] == stop_step and s2["steps"] == stop_step + 3
 
 
-@pytest.mark.slow
+# A user's dataset whose fetches stall (as a slow disk would) once a file named "stall" exists:
+# it then says so ("stalled"), and says when the run's stop handler has taken a first signal
+# ("first-signal-taken"), so that a test sends the second one only then.
+STALLING_DATASET = """
+import signal, time
+from pathlib import Path
+import torch
+from torch.utils.data import Dataset
+
+class Stalls(Dataset):
+    vocab_size = 64
+
+    def __len__(self):
+        return 100_000
+
+    def __getitem__(self, i):
+        while Path("stall").exists():
+            Path("stalled").touch()
+            handler = signal.getsignal(signal.SIGINT)
+            if getattr(getattr(handler, "__self__", None), "requested", False):
+                Path("first-signal-taken").touch()
+            time.sleep(0.01)
+        t = torch.randint(0, 64, (33,), generator=torch.Generator().manual_seed(i))
+        return t[:-1], t[1:]
+"""
+
+
 def test_second_sigint_stops_at_once(tmp_path: Path) -> None:
-    """The second SIGINT is sent once the first was handled (two signals that arrive while
-    the interpreter is inside one C call are delivered as one), during a ~1 s step."""
-    p = start_train(tmp_path, "model.n_layer=4", "model.n_embd=384", "model.n_head=4", "dataloader.batch_size=4",
-               "max_steps=100000", "log_every=1", "device=cpu", "monitor.every_n_steps=0", "hydra.run.dir=run")
+    """Ctrl-C, then Ctrl-C again while the run is still finishing its step: it stops at once,
+    saving nothing, and its summary says so. The step here is held in the user's dataset
+    until the second signal, so the order of the two does not depend on how fast either
+    side runs."""
+    (tmp_path / "stalls.py").write_text(STALLING_DATASET)
+    p = start_train(tmp_path, *TINY_MODEL, "data=custom", "data.target=stalls.py:Stalls", "dataloader.batch_size=2",
+                    "max_steps=100000", "log_every=1", "device=cpu", "monitor.every_n_steps=0", "hydra.run.dir=run")
     wait_for(lambda: _first_metrics(tmp_path))
+    (tmp_path / "stall").touch()
+    wait_for(lambda: (tmp_path / "stalled").exists())
     p.send_signal(signal.SIGINT)
-    for line in p.stdout:
-        if "SIGINT received" in line:
-            break
+    wait_for(lambda: (tmp_path / "first-signal-taken").exists())
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=60)
-    assert p.returncode == 130 and "Traceback" not in err
+    assert p.returncode == 130 and "Traceback" not in err, err
     s = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert s["status"] == "interrupted" and "second SIGINT" in s["reason"]
+    assert not (tmp_path / "run" / "checkpoints").exists() or not any((tmp_path / "run" / "checkpoints").iterdir())
 
 
 @pytest.mark.slow
