@@ -298,6 +298,7 @@ class Stalls(Dataset):
 """
 
 
+@pytest.mark.slow
 def test_second_sigint_stops_at_once(tmp_path: Path) -> None:
     """Ctrl-C, then Ctrl-C again while the run is still finishing its step: it stops at once,
     saving nothing, and its summary says so. The step here is held in the user's dataset
