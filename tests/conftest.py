@@ -21,9 +21,6 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 if TYPE_CHECKING:
-    from hydra.core.override_parser.types import Override
-    from omegaconf import DictConfig
-
     from perfrun.config import TrainConfig
 
 # torch, Hydra and perfrun are imported by what uses them, not here: under pytest -n the
@@ -176,19 +173,6 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(before)
 
 
-@pytest.fixture
-def one_cxx_build_per_graph() -> Iterator[None]:
-    """The CPU tests that compile with inductor build one C++ file per compiled graph
-    (inductor's C++ wrapper) instead of one per kernel: on a machine whose inductor cache is
-    still empty that is ~30 CPU s less for the five of them (docs/test-suite.md), on a warm
-    cache the same. What they check (the tokens, the losses, the compiled frames, the time
-    reported apart) does not depend on the wrapper; the GPU suite runs inductor's default."""
-    import torch._inductor.config as inductor
-
-    with inductor.patch(cpp_wrapper=True):
-        yield
-
-
 @pytest.fixture(scope="session")
 def one_process_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
     """RANKS_COMMON in one process with batch 4: the losses, weights and summary that 2 DDP or
@@ -215,55 +199,22 @@ def text_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @functools.cache
-def _composed(overrides: tuple[str, ...]) -> DictConfig:
-    """train.yaml composed by Hydra's compose API with ``overrides``: the result of a public
-    call, kept per test process for the same overrides (never Hydra's state); a composition
-    that fails raises again next time."""
+def _typed(overrides: tuple[str, ...]) -> TrainConfig:
+    """train.yaml composed by Hydra's compose API with ``overrides``, then typed. Kept per
+    test process for the same overrides (the result of a public call, never Hydra's state);
+    a composition that fails raises again next time."""
     from hydra import compose, initialize_config_dir
 
-    from perfrun.config import config_dir, register_configs
+    from perfrun.config import config_dir, register_configs, typed
 
     register_configs()
     with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
-        return compose("train", overrides=list(overrides))
-
-
-def _changes_a_value(override: Override) -> bool:
-    """Whether Hydra applies ``override`` as a change of one value of the composed config
-    (``key=value``; not a group's option, an addition, a deletion, a sweep or Hydra's own)."""
-    from hydra.core.override_parser.types import OverrideType
-
-    from perfrun.config import config_dir
-
-    key = override.key_or_group
-    return (override.type == OverrideType.CHANGE and override.package is None and not override.is_sweep_override()
-            and not key.startswith("hydra") and "/" not in key and not (Path(config_dir()) / key).is_dir())
-
-
-@functools.cache
-def _typed(overrides: tuple[str, ...]) -> TrainConfig:
-    """The configuration ``perfrun train OVERRIDES`` runs, typed. Composed as Hydra composes
-    it: the defaults with the group options, then each ``key=value`` change applied in order
-    with ``OmegaConf.update(cfg, key, value, merge=True)``, Hydra's own step, the value parsed
-    by Hydra's public override parser. The composition is kept per set of group options, so
-    tests that differ in values only compose once
-    (``test_make_cfg_is_what_compose_gives`` checks both ways agree)."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from omegaconf import OmegaConf
-
-    from perfrun.config import typed
-
-    parsed = OverridesParser.create().parse_overrides(list(overrides))
-    changes = [o for o in parsed if _changes_a_value(o)]
-    cfg = copy.deepcopy(_composed(tuple(o.input_line for o in parsed if o not in changes)))
-    for change in changes:
-        OmegaConf.update(cfg, change.key_or_group, change.value(), merge=True)
-    return typed(cfg)
+        return typed(compose("train", overrides=list(overrides)))
 
 
 def make_cfg(*overrides: str, tiny: bool = True) -> TrainConfig:
-    """A job's configuration as ``perfrun train`` makes it from conf/ (``TINY`` first unless
-    ``tiny=False``), typed. A copy: a test may change it."""
+    """A job's configuration as ``perfrun train`` makes it: composed from conf/ by Hydra's
+    compose API, then typed (``TINY`` first unless ``tiny=False``). A copy: a test may change it."""
     return copy.deepcopy(_typed(tuple((TINY if tiny else []) + list(overrides))))
 
 

@@ -276,7 +276,6 @@ def _greedy(ckpt: Path, prompts: list[list[int]], n: int, *, batch: int, cache: 
 
 
 @pytest.mark.slow
-@pytest.mark.usefixtures("one_cxx_build_per_graph")
 def test_greedy_tokens_are_identical_on_every_path(sharp_ckpt: Path) -> None:
     """Uncached, cached and compiled; alone and in a batch of prompts of other lengths; past
     block_size (the window re-fills) included: the same greedy tokens everywhere."""
@@ -342,7 +341,6 @@ def test_prompts_file_prints_one_json_line_per_prompt_as_each_prompt_alone(sharp
 
 
 @pytest.mark.slow
-@pytest.mark.usefixtures("one_cxx_build_per_graph")
 def test_compile_from_the_cli_reports_its_time_apart_and_gives_the_same_text(sharp_ckpt: Path,
                                                                             capsys: pytest.CaptureFixture[str]) -> None:
     # 9 prompt tokens + 24 new fill the 32-position cache as the batch-1 compiled path above

@@ -351,8 +351,8 @@ def test_fp8_converts_its_projections_and_keeps_its_head(folders: dict[str, Path
 
 
 @pytest.mark.slow
-def test_per_block_compile_compiles_its_decoder_layers(folders: dict[str, Path], tmp_path: Path, one_thread: None,
-                                                       one_cxx_build_per_graph: None) -> None:
+def test_per_block_compile_compiles_its_decoder_layers(folders: dict[str, Path], tmp_path: Path,
+                                                       one_thread: None) -> None:
     from perfrun.loop.run import run
 
     s = run(make_cfg(*RUN, f"model.path={folders['llama']}", "compile=true", "compile_options.scope=blocks",

@@ -265,7 +265,6 @@ def test_a_tiny_llama_trains_with_bf16_checkpointing_and_chunked_loss(trained: P
 
 
 @pytest.mark.slow
-@pytest.mark.usefixtures("one_cxx_build_per_graph")
 def test_a_tiny_llama_compiles_per_block_and_trains_as_eager(trained: Path, tmp_path: Path) -> None:
     s = run(make_cfg(*LLAMA, "max_steps=2", "log_every=1", "timing_warmup_steps=1", "compile=true",
                      "compile_options.scope=blocks"), tmp_path)
@@ -305,7 +304,6 @@ def test_generate_cached_and_uncached_give_the_same_tokens(sharp: Llama, trained
     assert printed.out.startswith("def ") and "tokens/s" in printed.err
 
 
-@pytest.mark.usefixtures("one_cxx_build_per_graph")
 def test_compiled_batched_decode_keeps_n_kv_head_heads_and_the_same_tokens(sharp: Llama) -> None:
     alone = [generate(sharp, p, 12, Sampler(0.0, None, 256, 0)).tokens for p in (PROMPT, list(b"import "))]
     gen = Generator(sharp, Sampler(0.0, None, 256, 0), 12, longest_prompt=len(PROMPT), batch=2, compile=True)

@@ -119,7 +119,7 @@ def test_optimizer_step_in_the_backward_resumes_bit_exact(tmp_path: Path) -> Non
 
 
 @pytest.mark.slow  # compiles the tiny model twice (inductor, C++)
-def test_optimizer_step_in_the_backward_under_compile(tmp_path: Path, one_cxx_build_per_graph: None) -> None:
+def test_optimizer_step_in_the_backward_under_compile(tmp_path: Path) -> None:
     """Under torch.compile the hooks still fire on the plain model's parameters (after the
     compiled backward accumulates each gradient): the losses match the compiled run's."""
     common = ["max_steps=4", "log_every=1", "optim.grad_clip=0", "compile=true"]

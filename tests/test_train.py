@@ -168,7 +168,6 @@ def test_the_plans_step_without_fp16_is_a_plain_backward_clip_and_step() -> None
     assert not plan.skips_nonfinite_steps and plan.loss_scale() is None and plan.state_dict() is None
 
 
-@pytest.mark.usefixtures("one_cxx_build_per_graph")
 def test_compile_runs_matches_eager_and_leaves_no_state(tmp_path: Path) -> None:
     before = global_state()
     eager = run(make_cfg("max_steps=3", "log_every=1", "timing_warmup_steps=1"), tmp_path / "eager")
