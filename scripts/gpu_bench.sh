@@ -31,7 +31,7 @@
 #                  an FSDP2 run through torchrun with sharded checkpoints and its resume, a sweep
 #   compile-scope  compile_options.scope=model vs blocks under none/ddp/fsdp
 #   fsdp-cost      FSDP2's one-GPU host overhead, gpt2 to gpt2-xl: plain vs FSDP2 vs FSDP2 with its host-overhead settings
-#   generate       scripts/bench_generate.py (where present)
+#   generate       scripts/bench_generate.py: KV cache off, on, and compiled with CUDA graphs, GPT-2 124M
 #   speed          scripts/bench_speed.py, GPT-2 124M, 3 repeats: perfrun's best bf16 configuration and
 #                  its best with FP8 against the plain nanoGPT-recipe loop (targets: 1.10x and 1.25x);
 #                  the fastest variant profiled (its top kernels)                         (~5 min)
@@ -184,7 +184,6 @@ suite_fsdp_cost() {
 }
 
 suite_generate() {
-  if [ ! -f scripts/bench_generate.py ]; then echo "generate: scripts/bench_generate.py is not in this checkout" >> "$DIGEST"; return; fi
   "$PY" scripts/bench_generate.py --device cuda --json "$R/bench_generate.json" > "$R/bench_generate.txt" 2>&1
   tail -12 "$R/bench_generate.txt" >> "$DIGEST"
 }
