@@ -141,8 +141,9 @@ def test_train_json_prints_the_summary_on_stdout(tmp_path: Path, monkeypatch: py
 @pytest.mark.slow
 def test_gpt2_with_checkpointing_and_accumulation(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                   one_thread: None) -> None:
-    """The issue's command verbatim, with gpt2 cut to 3 of its 12 blocks to stay fast (in
-    this process: the command line is the point, not a fresh interpreter)."""
+    """``perfrun train model=gpt2 checkpointing=full accumulation.steps=4`` as typed, with gpt2
+    cut to 3 of its 12 blocks to stay fast (in this process: the command line is the point, not
+    a fresh interpreter)."""
     monkeypatch.chdir(tmp_path)
     assert cli_main(["train", "model=gpt2", "checkpointing=full", "accumulation.steps=4", "device=cpu",
                      "max_steps=1", "model.n_layer=3", "data.seq_len=32", "dataloader.batch_size=1", "eval_batches=1",

@@ -118,7 +118,8 @@ KINDS = ["os.system", "file.py:Cls"]
 def test_int8_report_never_imports_the_recorded_data_target(kind: str, good: dict[str, Path], tmp_path: Path,
                                                             monkeypatch: pytest.MonkeyPatch,
                                                             capfd: pytest.CaptureFixture[str]) -> None:
-    """The issue's exploit: the int8 report rebuilt the val split from the recorded data config."""
+    """The exploit this guards against: the int8 report rebuilt the val split from the recorded
+    data config."""
     p = payload(kind, tmp_path)
     assert armed(p)
     ckpt = plant(good, tmp_path / "ckpt" / "step_0000002.pt", "data", p)

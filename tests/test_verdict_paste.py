@@ -56,7 +56,7 @@ def test_the_verdict_line_of_a_resumed_ladder_trains_as_pasted(tmp_path: Path, o
     code, out = train(resume[2:], capfd)
     assert code == 0, out
     resumed = json.loads((sweep / "1" / "summary.json").read_text())
-    assert resumed["status"] == "completed" and resumed["config"]["resume"] == "auto"  # the mix the issue saw
+    assert resumed["status"] == "completed" and resumed["config"]["resume"] == "auto"  # job 0 fresh, job 1 resumed
 
     rows = report.load([sweep]).rows
     assert "resume" not in report.swept_keys(rows)
