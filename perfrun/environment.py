@@ -17,6 +17,21 @@ import torch
 import perfrun
 
 
+@contextlib.contextmanager
+def environment_default(name: str, value: str) -> Iterator[None]:
+    """``name=value`` in the process environment for the block, where the caller left it unset,
+    and unset again after: a switch a library reads from the environment, set for perfrun's
+    call and not left behind for the rest of the caller's process."""
+    if name in os.environ:
+        yield
+        return
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        os.environ.pop(name, None)
+
+
 def rank_info() -> tuple[int, int]:
     """(rank, world size) as torchrun sets them; a single process is rank 0 of 1."""
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))

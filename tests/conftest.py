@@ -115,9 +115,10 @@ def _one_thread_per_process() -> Iterator[None]:
 
 @pytest.fixture(autouse=True)
 def _environment_as_it_was() -> Iterator[None]:
-    """What a test's in-process job puts in os.environ stays in that test (perfrun's MLflow
-    logger sets MLFLOW_ALLOW_FILE_STORE for its file store, torch and perfrun a few run-time
-    settings): a later test's commands inherit this process's environment."""
+    """What a test puts in os.environ stays in that test (its own setenv, or what a library a
+    job calls sets for itself): a later test's commands inherit this process's environment.
+    perfrun's own switches are set for the call that needs them and unset after
+    (``perfrun.environment.environment_default``; test_loggers checks MLflow's)."""
     before = dict(os.environ)
     yield
     if os.environ != before:

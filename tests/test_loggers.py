@@ -110,10 +110,13 @@ def test_wandb_offline_run_reads_back(tmp_path: Path, one_thread: None, monkeypa
 
 
 @pytest.mark.slow
-def test_mlflow_file_store_reads_back(tmp_path: Path, one_thread: None) -> None:
+def test_mlflow_file_store_reads_back(tmp_path: Path, one_thread: None, monkeypatch: pytest.MonkeyPatch) -> None:
     from mlflow.tracking import MlflowClient
 
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
     run(make_cfg(*LOGGED, "logger=mlflow"), tmp_path)
+    assert "MLFLOW_ALLOW_FILE_STORE" not in os.environ  # MLflow's switch was set for the run's client only
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # this reader's own file store
     client = MlflowClient(tracking_uri=(tmp_path / "mlruns").as_uri())
     (found,) = client.search_runs([client.get_experiment_by_name("perfrun").experiment_id])
     assert found.info.status == "FINISHED" and found.data.tags["perfrun.status"] == "completed"
@@ -135,6 +138,7 @@ def test_a_sweeps_jobs_share_one_group(tmp_path: Path, monkeypatch: pytest.Monke
     sweep = tmp_path / "sweep"
     args = ["-m", *TINY, "max_steps=2", "checkpoint.at_end=false", "seed=1,2", f"hydra.sweep.dir={sweep}"]
     assert train_main([*args, "logger=mlflow"]) == 0
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # this reader's own file store
     client = MlflowClient(tracking_uri=(sweep / "mlruns").as_uri())
     found = client.search_runs([client.get_experiment_by_name(str(sweep)).experiment_id])
     assert sorted(r.info.run_name for r in found) == ["0 seed=1", "1 seed=2"]

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import tempfile
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -24,6 +23,7 @@ from typing import Any
 
 import torch
 
+from perfrun.environment import environment_default
 from perfrun.memory.tracker import CATEGORIES, SHORT, Breakdown, CategoryTracker, tracker_missing
 from perfrun.telemetry.sinks import RecordSink
 from perfrun.telemetry.step_metrics import StepMetrics
@@ -220,12 +220,11 @@ def _profiled() -> Iterator[Any]:
     the bytes allocated during it (its trace's ``Total Allocated``, from the profile's start)."""
     from torch.profiler import ProfilerActivity, profile
 
-    # kineto prints "profiler_start" / "profiler_stop" lines on stderr at its default level, which
-    # read as noise in a training log; a level the user set stays
-    os.environ.setdefault("KINETO_LOG_LEVEL", "9")
     result = {"peak": 0}
     prof: AbstractContextManager[Any] = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-    with prof as p:
+    # kineto prints "profiler_start" / "profiler_stop" lines on stderr at its default level, which
+    # read as noise in a training log; a level the user set stays
+    with environment_default("KINETO_LOG_LEVEL", "9"), prof as p:
         yield lambda: result["peak"]
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "trace.json"

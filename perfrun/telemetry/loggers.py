@@ -18,6 +18,7 @@ import netrc
 import os
 import time
 from collections.abc import Iterable, Iterator, Sequence
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlparse
@@ -194,16 +195,18 @@ class MlflowLogger:
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
 
-        if uri.startswith("file:"):
-            # MLflow keeps its file store in maintenance mode behind this switch; a local
-            # folder of plain files is what a run dir wants (no database, no server)
-            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-        self.client = MlflowClient(tracking_uri=uri)
-        experiment = names["group"] or names["project"]
-        found = self.client.get_experiment_by_name(experiment)
-        experiment_id = found.experiment_id if found else self._create(experiment)
-        self.run_id = self.client.create_run(experiment_id, run_name=names["run_name"],
-                                             tags={"perfrun.run_dir": names["run_dir"]}).info.run_id
+        from perfrun.environment import environment_default
+
+        # MLflow keeps its file store in maintenance mode behind this switch; a local folder of
+        # plain files is what a run dir wants (no database, no server). The store is made here.
+        switch = environment_default("MLFLOW_ALLOW_FILE_STORE", "true") if uri.startswith("file:") else nullcontext()
+        with switch:
+            self.client = MlflowClient(tracking_uri=uri)
+            experiment = names["group"] or names["project"]
+            found = self.client.get_experiment_by_name(experiment)
+            experiment_id = found.experiment_id if found else self._create(experiment)
+            self.run_id = self.client.create_run(experiment_id, run_name=names["run_name"],
+                                                 tags={"perfrun.run_dir": names["run_dir"]}).info.run_id
         params = [Param(k, str(v)[:500]) for k, v in hyperparameters(config).items()]
         for i in range(0, len(params), 100):  # MLflow takes at most 100 parameters per batch
             self.client.log_batch(self.run_id, params=params[i:i + 100])
