@@ -43,6 +43,8 @@ def frozen_heap(settings: RuntimeConfig) -> Iterator[dict[str, Any]]:
 def fixed_heap(settings: RuntimeConfig, device_type: str) -> Iterator[dict[str, Any]]:
     """``runtime.malloc`` for the life of a job on ``device_type``; yields what was done."""
     done: dict[str, Any] = {"malloc": settings.malloc, "heap": None}
+    if settings.malloc == "system" and (left := host_heap.lasting_change()) is not None:
+        done["heap"] = {"set": False, "why": left}
     if settings.malloc == "fixed":
         done["heap"] = host_heap.fix_thresholds() if device_type == "cpu" else \
             {"set": False, "why": f"a {device_type} job: the thresholds are set for CPU jobs, whose steps allocate "
