@@ -1,6 +1,7 @@
 """The one console: error and warning lines, the wide console for tables, the
 formatter that turns an exception into the one line a user reads, the one that
-prints a figure that may be missing, and text quoted for Hydra's override grammar.
+prints a figure that may be missing, text quoted for Hydra's override grammar, and the
+root logger kept as it was around a Hydra app run in the caller's process.
 
 Every command prints its errors through :func:`error` and its warnings through
 :func:`warn`, so a message is escaped for rich exactly once, whoever raised it.
@@ -8,10 +9,12 @@ Every command prints its errors through :func:`error` and its warnings through
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 from rich.console import Console
@@ -101,3 +104,18 @@ def hydra_quoted(text: str) -> str:
     text = re.sub(r"(\\*)'", lambda m: m.group(1) * 2 + "\\'", text)
     text = re.sub(r"(\\+)$", lambda m: m.group(1) * 2, text)
     return f"'{text}'"
+
+
+@contextmanager
+def kept_logging() -> Iterator[None]:
+    """The root logger as it was: a Hydra app configures it for its job (a console handler,
+    a log file in the job's dir), which a caller in the same process should not inherit."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        yield
+    finally:
+        for h in root.handlers:
+            if h not in handlers:
+                h.close()
+        root.handlers[:], root.level = handlers, level

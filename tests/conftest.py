@@ -131,7 +131,7 @@ def _root_logger_as_it_was() -> Iterator[None]:
     """A Hydra app run in this process configures the root logger for its job (a console
     handler, the job's train.log): a later test's logging must not write into a folder an
     earlier test made (and may have removed)."""
-    from perfrun.commands.tune import kept_logging
+    from perfrun.console import kept_logging
 
     with kept_logging():
         yield

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from perfrun.commands.dispatch import main as cli_main
-from perfrun.commands.tune import kept_logging
+from perfrun.console import kept_logging
 
 from conftest import REPO, TINY_MODEL, launch, run_cli
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from perfrun.commands.tune import kept_logging
+from perfrun.console import kept_logging
 from perfrun.telemetry import sinks
 from perfrun.telemetry.sinks import TIME_WIDTH, ConsoleReporter, gpu_parts, step_line
 

@@ -109,7 +109,7 @@ def test_the_ladder_skips_a_rung_the_model_cannot_take_and_turns_inherited_ones_
 def test_a_refused_knob_in_a_plain_run_is_one_line_and_exit_2(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     """In this process, its file descriptors captured (tests/test_cli.py checks a real
     process's exit code and stderr for a refused setting)."""
-    from perfrun.commands.tune import kept_logging
+    from perfrun.console import kept_logging
 
     from conftest import launch
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from perfrun.commands.train import train_main
-from perfrun.commands.tune import kept_logging
+from perfrun.console import kept_logging
 
 from conftest import TINY_MODEL
 

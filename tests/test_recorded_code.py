@@ -27,8 +27,8 @@ import torch
 import yaml
 from test_untrusted_files import Done, run_perfrun
 
-from perfrun.commands.tune import kept_logging
 from perfrun.config import ConfigError, as_dict
+from perfrun.console import kept_logging
 from perfrun.loop.run import run
 from perfrun.user_code import instantiate
 

@@ -20,7 +20,7 @@ from test_ladder import plant_ladder
 from perfrun import report
 from perfrun.commands.report import main as report_main
 from perfrun.commands.train import train_main
-from perfrun.commands.tune import kept_logging
+from perfrun.console import kept_logging
 from perfrun.ladder import sweep_files
 from perfrun.ladder.analysis import read_sweep
 from perfrun.ladder.callback import SweepSummary

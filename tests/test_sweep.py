@@ -20,8 +20,8 @@ from hydra import compose, initialize_config_dir
 from perfrun import report
 from perfrun.commands.report import main as report_main
 from perfrun.commands.train import train_main
-from perfrun.commands.tune import kept_logging
 from perfrun.config import config_dir, register_configs
+from perfrun.console import kept_logging
 from perfrun.ladder import sweep_files
 from perfrun.ladder.analysis import read_sweep
 from perfrun.ladder.callback import failed_jobs

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from perfrun.commands.report import main as report_main
-from perfrun.commands.tune import kept_logging
+from perfrun.console import kept_logging
 from perfrun.report import load
 
 from conftest import TINY, child_env, launch, perfrun_process, wait_for

@@ -20,7 +20,7 @@ import pytest
 
 from perfrun import report
 from perfrun.commands.train import train_main
-from perfrun.commands.tune import kept_logging
+from perfrun.console import kept_logging
 from perfrun.ladder.callback import resume_command
 from perfrun.ladder.verdict import verdict_line
 

@@ -11,14 +11,13 @@ the tune dir is its run dir, with ``.hydra/`` and the trials' log lines in ``tun
 from __future__ import annotations
 
 import json
-import logging
 import sys
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from perfrun.console import kept_logging
 from perfrun.tune.config import (
     TuneConfig,
     TuneError,
@@ -191,21 +190,6 @@ def _tune(request: TuneRequest) -> int:
         console.print(f"best: {winner.tokens_per_s:,.0f} tok/s ({len(result.trials)} trials). Paste:", markup=False)
         console.print(command_line(winner.candidate, request.overrides), markup=False)
     return 0
-
-
-@contextmanager
-def kept_logging() -> Iterator[None]:
-    """The root logger as it was: a Hydra app configures it for its job (a console handler,
-    a log file in the job's dir), which a caller in the same process should not inherit."""
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    try:
-        yield
-    finally:
-        for h in root.handlers:
-            if h not in handlers:
-                h.close()
-        root.handlers[:], root.level = handlers, level
 
 
 def _run_app(args: list[str], request: TuneRequest | None) -> int:
