@@ -154,7 +154,7 @@ class FsdpOptions:
 class MonitorConfig:
     every_n_steps: int = 10  # NVML and host telemetry; 0 turns it off
     sample_interval_s: float = 0.1  # background sampler period
-    pcie: bool = False  # PCIe throughput: each NVML call blocks ~20 ms
+    pcie: bool = False  # PCIe throughput: each NVML call counts over a 20 ms window (NVML's docs)
 
 
 @dataclass

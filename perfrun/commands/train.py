@@ -2,13 +2,15 @@
 paths, each Hydra's own ``hydra.main`` over conf/train.yaml with the command line: one run
 (its run dir found first, for ``resume=auto``, and pinned), a sweep (``-m``), a rank under
 torchrun (the run dir agreed with the other ranks first), or Hydra's own flags (``--help``,
-``--cfg``, ``--info``). A single run's configuration is composed twice: once to check it and
-find its run dir, once by Hydra for the job. What several processes need (torchrun, one run
-dir for every rank) is in :mod:`perfrun.commands.launch`; the job Hydra calls is
-:mod:`perfrun.commands.train_job`.
+``--cfg``, ``--info``, and a flag-led line). A single run's configuration is composed here,
+with Hydra's compose API, to check it (a setting the device refuses too) and find its run
+dir, then by ``hydra.main`` for the job (which composes once for the mode, once for the
+job). What several processes need (torchrun, one run dir for every rank) is in
+:mod:`perfrun.commands.launch`; the job Hydra calls is :mod:`perfrun.commands.train_job`.
 Hydra's completion script calls ``perfrun -sc query=bash`` with the whole line in
-COMP_LINE; the ``train`` word is removed from it here, since Hydra knows no subcommands,
-and the answer is composed without importing the trainer (no torch), so a Tab is quick.
+COMP_LINE; the dispatcher (:mod:`perfrun.commands.dispatch`) removes the ``train`` word from
+it, since Hydra knows no subcommands, and the answer is composed without importing the
+trainer (no torch), so a Tab is quick.
 """
 
 from __future__ import annotations
@@ -89,8 +91,9 @@ def _several(config: TrainConfig | None, args: list[str]) -> bool:
 
 
 def _checked(composed: DictConfig | None, args: list[str]) -> TrainConfig | None:
-    """The composed configuration typed and validated, here, in a tenth of a second and before
-    any run dir is made; several processes: once, here, rather than once per rank."""
+    """The composed configuration typed and validated, here, before any run dir is made; a
+    single run's setting that its device refuses too; several processes: once, here, rather
+    than once per rank."""
     from perfrun.config import ConfigError
     from perfrun.validate import validate
 

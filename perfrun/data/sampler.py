@@ -38,8 +38,8 @@ class ResumableSampler(Sampler[int]):
     def __iter__(self) -> Iterator[int]:
         order = epoch_order(self.n, self.seed + self.epoch)[self.start:]
         order = order[: len(order) - len(order) % self.world][self.rank::self.world]
-        # handed out a chunk at a time: the whole epoch as Python ints took 40 bytes an index
-        # (168 MB for 4M windows, tracemalloc) and most of the time of a short job's first batch
+        # handed out a chunk at a time: the whole epoch as a list of Python ints costs some 40
+        # bytes an index, made before a short job's first batch could start
         for chunk in order.split(CHUNK):
             yield from chunk.tolist()
 

@@ -121,7 +121,7 @@ class Monitor:
             s.sm_clock = _num(n.call("sm_clock_mhz", "nvmlDeviceGetClockInfo", h, getattr(m, "NVML_CLOCK_SM", 1)))
             s.mem_clock = _num(n.call("mem_clock_mhz", "nvmlDeviceGetClockInfo", h, getattr(m, "NVML_CLOCK_MEM", 2)))
             s.reasons = n.throttle_reasons(h)
-            if self.pcie:  # each call blocks ~20 ms inside NVML (GIL released)
+            if self.pcie:  # NVML counts the bytes over a 20 ms window per call (its docs), GIL released
                 tx = n.call("pcie_tx", "nvmlDeviceGetPcieThroughput", h, getattr(m, "NVML_PCIE_UTIL_TX_BYTES", 0))
                 rx = n.call("pcie_rx", "nvmlDeviceGetPcieThroughput", h, getattr(m, "NVML_PCIE_UTIL_RX_BYTES", 1))
                 s.pcie_tx = None if tx is None else tx / 1000.0  # KB/s -> MB/s
