@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -228,6 +229,40 @@ def test_no_private_name_crosses_modules() -> None:
 def test_no_module_over_500_lines() -> None:
     sizes = {name: len(path.read_text().splitlines()) for name, path in _modules().items()}
     assert {name: n for name, n in sizes.items() if n > 500} == {}
+
+
+def test_a_command_module_stays_thin() -> None:
+    """A command reads its command line and calls the library: about 250 lines at most, the
+    library code in its package."""
+    long = {name: n for name, path in _modules().items() if _package(name) == "commands"
+            and (n := len(path.read_text().splitlines())) > 260}
+    assert long == {}
+
+
+REPO = PACKAGE.parent
+MACHINE_WORDS = re.compile(r"\b(EPYC|Xeon|Ryzen|on (?:our|my) machine|on 2 cores|this box)\b", re.IGNORECASE)
+
+
+def test_no_machine_figure_in_the_source() -> None:
+    """Comments say why; a figure measured on a machine belongs in docs/ beside its command."""
+    found = [f"{name}:{i}: {line.strip()}" for name, path in _modules().items()
+             for i, line in enumerate(path.read_text().splitlines(), 1) if MACHINE_WORDS.search(line)]
+    assert found == []
+
+
+def test_the_machine_words_are_found() -> None:
+    assert MACHINE_WORDS.search("# ~17 ms of ~23 on 2 cores") and MACHINE_WORDS.search("measured on an EPYC")
+    assert not MACHINE_WORDS.search("nproc: processes on this machine")
+
+
+def test_the_readme_is_a_front_door() -> None:
+    """README.md: at most 300 lines, no commit hash; every local link resolves."""
+    text = (REPO / "README.md").read_text()
+    assert len(text.splitlines()) <= 300
+    assert re.findall(r"\b(?:commit|at) [0-9a-f]{7,40}\b", text) == []
+    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)
+    missing = [link for link in links if "://" not in link and not (REPO / link).exists()]
+    assert links and missing == []
 
 
 def test_the_training_loop_fits_on_one_screen() -> None:
