@@ -22,11 +22,11 @@ SHORT = ["max_steps=2", "eval_batches=1", "data=synthetic", "data.vocab_size=256
 
 @pytest.fixture
 def unfrozen() -> Iterator[None]:
-    """The heap as a program that never called gc.freeze has it (the suite freezes what is
-    alive when a test file starts); frozen again afterwards, as the suite had it."""
-    gc.unfreeze()
+    """The heap as a program that never called gc.freeze has it: nothing in the suite freezes
+    it but a job's own ``runtime.gc=freeze``, undone at the job's end; so it stays after."""
+    assert gc.get_freeze_count() == 0
     yield
-    gc.freeze()
+    assert gc.get_freeze_count() == 0
 
 
 def test_the_library_default_leaves_the_heap_as_it_is() -> None:
@@ -55,11 +55,14 @@ def test_the_default_neither_freezes_nor_sets_the_heap(tmp_path: Path, unfrozen:
 
 
 def test_a_heap_the_caller_froze_stays_as_the_caller_froze_it(tmp_path: Path, unfrozen: None) -> None:
-    gc.freeze()
+    gc.freeze()  # the caller's own freeze, which it undoes itself
     frozen = gc.get_freeze_count()
-    run(make_cfg(*SHORT, "runtime.gc=freeze"), tmp_path)
-    # neither unfrozen (0) nor frozen further (more); objects frozen before may die meanwhile
-    assert 0 < gc.get_freeze_count() <= frozen
+    try:
+        run(make_cfg(*SHORT, "runtime.gc=freeze"), tmp_path)
+        # neither unfrozen (0) nor frozen further (more); objects frozen before may die meanwhile
+        assert 0 < gc.get_freeze_count() <= frozen
+    finally:
+        gc.unfreeze()
     recorded = read_summary(tmp_path)["runtime"]
     assert recorded["gc_frozen"] is False and "frozen already" in recorded["gc_why"]
 
