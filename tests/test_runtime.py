@@ -22,11 +22,13 @@ SHORT = ["max_steps=2", "eval_batches=1", "data=synthetic", "data.vocab_size=256
 
 @pytest.fixture
 def unfrozen() -> Iterator[None]:
-    """The heap as a program that never called gc.freeze has it: nothing in the suite freezes
-    it but a job's own ``runtime.gc=freeze``, undone at the job's end; so it stays after."""
-    assert gc.get_freeze_count() == 0
+    """The heap as a program that never called gc.freeze has it (the suite freezes what is
+    alive when a test file starts); frozen again afterwards, as the suite had it, once the
+    test has shown that its job left the heap unfrozen."""
+    gc.unfreeze()
     yield
     assert gc.get_freeze_count() == 0
+    gc.freeze()
 
 
 def test_the_library_default_leaves_the_heap_as_it_is() -> None:
