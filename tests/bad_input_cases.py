@@ -11,9 +11,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-# A small, fast model for every case that gets as far as building one.
+# A small, fast model for every case that gets as far as building one; its job leaves the
+# test process's heap as it finds it (see TINY in tests/conftest.py).
 SMALL = ["model.n_layer=1", "model.n_head=2", "model.n_embd=32", "model.block_size=32",
-         "dataloader.batch_size=2", "max_steps=2", "eval_batches=1", "monitor.every_n_steps=0", "device=cpu"]
+         "dataloader.batch_size=2", "max_steps=2", "eval_batches=1", "monitor.every_n_steps=0", "device=cpu",
+         "runtime.gc=default"]
 
 
 @dataclass(frozen=True)

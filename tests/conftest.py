@@ -37,11 +37,15 @@ if sys.dont_write_bytecode:
     compileall.compile_dir(REPO / "perfrun", quiet=1)
     sys.dont_write_bytecode = False
 
-# A model small enough that a 20-step job takes well under a second on 2 cores.
+# A model small enough that a 20-step job takes well under a second. Its jobs leave the heap
+# as they find it (runtime.gc=default): the file-level freeze below already keeps what is alive
+# out of the collector's sight, and a job with runtime.gc=freeze would only find it frozen,
+# counting the frozen objects to say so (gc.get_freeze_count walks every one of them).
+# tests/test_runtime.py runs jobs with perfrun train's freeze.
 TINY_MODEL = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=32"]
 TINY = [
     *TINY_MODEL, "dataloader.batch_size=4", "max_steps=20", "log_every=5", "eval_every=0", "eval_batches=2",
-    "monitor.every_n_steps=0", "device=cpu", "progress=off", "optim.warmup_steps=5",
+    "monitor.every_n_steps=0", "device=cpu", "progress=off", "optim.warmup_steps=5", "runtime.gc=default",
 ]
 
 

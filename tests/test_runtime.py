@@ -37,7 +37,7 @@ def test_the_library_default_leaves_the_heap_as_it_is() -> None:
 
 
 def test_a_frozen_heap_is_undone_after_the_job_and_recorded(tmp_path: Path, unfrozen: None) -> None:
-    cfg = make_cfg(*SHORT, "runtime=tuned", "device=cpu")
+    cfg = make_cfg(*SHORT, "runtime=tuned", "runtime.gc=freeze", "device=cpu")  # TINY says gc=default
     assert cfg.runtime == RuntimeConfig(gc="freeze", malloc="fixed")
     run(cfg, tmp_path)
     assert gc.get_freeze_count() == 0  # the job's freeze is not the caller's
