@@ -62,18 +62,19 @@ def fix_thresholds() -> dict[str, Any]:
 
 def restore_thresholds() -> None:
     """glibc's starting values back (after :func:`fix_thresholds` set them)."""
+    global _fixed_before
     _set(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), START_THRESHOLD, START_THRESHOLD)
-    _EVER_SET.append(True)
+    _fixed_before = True
 
 
 # Whether this process ever fixed the thresholds: glibc's dynamic rule is then off for good,
 # which a later job of the process (a sweep's next job, a library caller's next run) says.
-_EVER_SET: list[bool] = []
+_fixed_before = False
 
 
 def lasting_change() -> str | None:
     """What an earlier job left of the thresholds in this process, or None."""
-    if not _EVER_SET:
+    if not _fixed_before:
         return None
     return (f"an earlier job of this process fixed glibc's thresholds: they are back at glibc's starting "
             f"{START_THRESHOLD // 2**10} KiB but no longer rise by themselves")
