@@ -67,8 +67,7 @@ def attach_profiler(cfg: TrainConfig, device: torch.device, plan: Any, stack: Ex
     """
     if not cfg.profile:
         return
-    check(cfg, device)
-    p = cfg.profiler
+    p = cfg.profiler  # its window was checked before the job built anything (:func:`check`)
     if not record:
         return
     if run_dir is None:
@@ -130,8 +129,8 @@ def check(cfg: TrainConfig, device: torch.device) -> None:
 
 def start_memory_history(cfg: TrainConfig, device: torch.device, stack: ExitStack) -> bool:
     """Record the CUDA allocator's history from setup on (before the model is built);
-    :func:`dump_memory_snapshot` writes it at the end and on an out-of-memory error."""
-    check(cfg, device)
+    :func:`dump_memory_snapshot` writes it at the end and on an out-of-memory error. Off CUDA
+    it was refused before (:func:`check`, with the run's other refusals)."""
     if not cfg.memory_snapshot:
         return False
     # the underscore names are torch's documented snapshot API (pytorch.org/docs: torch_cuda_memory)
