@@ -151,22 +151,30 @@ def _no_compiled_code_between_files() -> Iterator[None]:
     torch._dynamo.reset()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _heap_given_back_at_the_end() -> Iterator[None]:
+    """The suite's freezes (below) are undone when the session ends."""
+    yield
+    gc.unfreeze()
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _live_objects_out_of_the_collectors_sight() -> Iterator[None]:
     """Every job ends with a full ``gc.collect()`` (``perfrun.loop.run._release``), which walks
     every live object: with torch, dynamo and Hydra loaded, ~0.4 s a job, more than a tiny job
     trains. What is alive when a test file starts (modules, session fixtures) is frozen
     (``gc.freeze``) after one collection, dynamo's modules with them (every job imports them
-    to count its FLOPs); what the file's tests make is still collected. A job then finds the
-    heap frozen and leaves it so (``runtime.gc=freeze`` says "frozen already"):
-    tests/test_runtime.py unfreezes to run jobs as ``perfrun train`` runs them. Unfrozen at
-    the file's end."""
+    to count its FLOPs); what the file's tests make is still collected. The next file's
+    collection then walks only what this file left alive, not the whole heap again: the
+    freezes add up and are undone once, at the session's end (a cycle that was alive when it
+    was frozen and dies later is kept until then). A job finds the heap frozen and leaves it
+    so (``runtime.gc=freeze`` says "frozen already"): tests/test_runtime.py unfreezes to run
+    jobs as ``perfrun train`` runs them, then freezes again."""
     import torch._dynamo  # noqa: F401
 
     gc.collect()
     gc.freeze()
     yield
-    gc.unfreeze()
 
 
 @pytest.fixture(scope="module")
