@@ -211,7 +211,9 @@ def text_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from perfrun.loop.run import run
 
     folder = tmp_path_factory.mktemp("text-run")
-    run(make_cfg("max_steps=12", "checkpoint.every_n_steps=12", "data=text", f"data.path={REPO / 'perfrun'}",
+    source = tmp_path_factory.mktemp("text") / "perfrun"  # the tracked files: __pycache__ changes as tests import
+    shutil.copytree(REPO / "perfrun", source, ignore=shutil.ignore_patterns("__pycache__"))
+    run(make_cfg("max_steps=12", "checkpoint.every_n_steps=12", "data=text", f"data.path={source}",
                  "eval_batches=1", "model.bias=false"), folder)
     return checkpoint_files.list_checkpoints(folder / "checkpoints")[-1]
 

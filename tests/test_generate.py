@@ -176,8 +176,12 @@ def test_int8_val_loss_stays_within_5_percent_of_float(ckpt: Path) -> None:
     pytest.importorskip("torchao")
     from perfrun.inference.int8 import quantize_int8, state_dict_bytes, val_dataset, val_loss
 
+    import torch._inductor.config as inductor  # inductor's settings have no public module: torchao sets them here
+
     flt, q = load_model(ckpt), load_model(ckpt)
+    settings = inductor.get_config_copy()
     info = quantize_int8(q.model)
+    assert inductor.get_config_copy() == settings  # an uncompiled model: no inductor setting of the process changed
     assert info.layers == 4 * flt.model.config.n_layer and info.skipped == ["lm_head"]
     assert q.model.lm_head.weight is q.model.wte.weight  # the tie survives: the head stays float
     val = val_dataset(flt.config, flt.model.config.block_size)

@@ -68,10 +68,13 @@ def quantize_int8(model: nn.Module, *, include_head: bool = False) -> QuantInfo:
     def chosen(module: nn.Module, fqn: str) -> bool:
         return isinstance(module, nn.Linear) and fqn not in skipped
 
-    layers = sum(1 for name, m in model.named_modules() if chosen(m, name))
-    with quiet_torchao():
-        quantize_(model, Int8DynamicActivationInt8WeightConfig(), filter_fn=chosen)
-    return QuantInfo(layers, skipped, "torchao.quantization.quantize_(Int8DynamicActivationInt8WeightConfig)")
+    targets = [m for name, m in model.named_modules() if chosen(m, name)]
+    with quiet_torchao():  # the model is not compiled here: torchao's inductor settings would only leak
+        quantize_(model, Int8DynamicActivationInt8WeightConfig(set_inductor_config=False), filter_fn=chosen)
+    still_float = sum(1 for m in targets if type(m.weight) is nn.Parameter)
+    if still_float:  # a report of a float model named int8 would be a false measurement
+        raise RuntimeError(f"torchao's quantize_ left {still_float} of {len(targets)} Linear layers in float")
+    return QuantInfo(len(targets), skipped, "torchao.quantization.quantize_(Int8DynamicActivationInt8WeightConfig)")
 
 
 def state_dict_bytes(model: nn.Module) -> int:
