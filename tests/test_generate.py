@@ -174,9 +174,9 @@ def test_int8_val_loss_stays_within_5_percent_of_float(ckpt: Path) -> None:
     moves the loss far less than one more training step does. 5% is the bound: a broken
     quantisation (wrong scales, a lost tied head) moves it by tens of percent."""
     pytest.importorskip("torchao")
-    from perfrun.inference.int8 import quantize_int8, state_dict_bytes, val_dataset, val_loss
-
     import torch._inductor.config as inductor  # inductor's settings have no public module: torchao sets them here
+
+    from perfrun.inference.int8 import quantize_int8, state_dict_bytes, val_dataset, val_loss
 
     flt, q = load_model(ckpt), load_model(ckpt)
     settings = inductor.get_config_copy()
