@@ -159,7 +159,7 @@ def _heap_given_back_at_the_end() -> Iterator[None]:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _live_objects_out_of_the_collectors_sight() -> Iterator[None]:
+def _live_objects_out_of_the_collectors_sight() -> None:
     """Every job ends with a full ``gc.collect()`` (``perfrun.loop.run._release``), which walks
     every live object: with torch, dynamo and Hydra loaded, ~0.4 s a job, more than a tiny job
     trains. What is alive when a test file starts (modules, session fixtures) is frozen
@@ -174,7 +174,6 @@ def _live_objects_out_of_the_collectors_sight() -> Iterator[None]:
 
     gc.collect()
     gc.freeze()
-    yield
 
 
 @pytest.fixture(scope="module")

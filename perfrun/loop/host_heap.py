@@ -35,6 +35,10 @@ _USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TO
 _OTHER_ALLOCATORS = ("jemalloc", "tcmalloc", "mimalloc")
 
 START_THRESHOLD = 128 * 2**10  # both thresholds as glibc starts a process (DEFAULT_MMAP_THRESHOLD_MIN)
+# Whether this process ever set the thresholds: any mallopt of them turns glibc's dynamic rule
+# off for good, which a later job of the process (a sweep's next job, a library caller's next
+# run) says.
+_fixed_before = False
 
 
 def fix_thresholds() -> dict[str, Any]:
@@ -62,14 +66,7 @@ def fix_thresholds() -> dict[str, Any]:
 
 def restore_thresholds() -> None:
     """glibc's starting values back (after :func:`fix_thresholds` set them)."""
-    global _fixed_before
     _set(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), START_THRESHOLD, START_THRESHOLD)
-    _fixed_before = True
-
-
-# Whether this process ever fixed the thresholds: glibc's dynamic rule is then off for good,
-# which a later job of the process (a sweep's next job, a library caller's next run) says.
-_fixed_before = False
 
 
 def lasting_change() -> str | None:
@@ -81,4 +78,7 @@ def lasting_change() -> str | None:
 
 
 def _set(libc: ctypes.CDLL, mmap_threshold: int, trim_threshold: int) -> bool:
-    return libc.mallopt(M_MMAP_THRESHOLD, mmap_threshold) == 1 and libc.mallopt(M_TRIM_THRESHOLD, trim_threshold) == 1
+    global _fixed_before
+    done = libc.mallopt(M_MMAP_THRESHOLD, mmap_threshold) == 1 and libc.mallopt(M_TRIM_THRESHOLD, trim_threshold) == 1
+    _fixed_before = _fixed_before or done
+    return done
